@@ -1,0 +1,42 @@
+# Two commands set everything up on a fresh machine: `make run` and `make test`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install dev run test lint bench-locomo bench-scale clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# The CPU build of torch is pinned first, so sentence-transformers never pulls a CUDA build.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+dev: $(VENV)/.dev-installed
+
+run: install
+	$(VENV)/bin/engram demo
+
+test: dev
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/mypy src
+	$(VENV)/bin/pytest
+
+bench-locomo: install
+	$(PY) bench/locomo.py
+
+bench-scale: install
+	$(PY) bench/scale.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,56 @@
+"""engram: long-term memory for LLM agents.
+
+    from engram import Memory
+    mem = Memory("engram.db")
+    mem.add("I moved to Lisbon in May", user_id="ana")
+    mem.search("where does Ana live?", user_id="ana")
+"""
+
+import logging as _logging
+
+from .config import Config
+from .errors import (
+    EngramError,
+    InvalidFilter,
+    InvalidImport,
+    InvalidInput,
+    NotFound,
+    ProviderError,
+    StoreBusy,
+    StoreError,
+)
+from .memory import AsyncMemory, Memory
+from .model import AddResult, Event, EventType, Hit, Kind, MemoryRecord, Message, Page, Scope
+from .pipeline.retrieve import PRESETS, RetrievalConfig
+from .store import Stats
+
+_logging.getLogger("engram").addHandler(_logging.NullHandler())
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "AddResult",
+    "AsyncMemory",
+    "Config",
+    "EngramError",
+    "Event",
+    "EventType",
+    "Hit",
+    "InvalidFilter",
+    "InvalidImport",
+    "InvalidInput",
+    "Kind",
+    "Memory",
+    "MemoryRecord",
+    "Message",
+    "NotFound",
+    "Page",
+    "ProviderError",
+    "RetrievalConfig",
+    "Scope",
+    "Stats",
+    "StoreBusy",
+    "StoreError",
+    "__version__",
+]

@@ -1,0 +1,156 @@
+"""The plain types every layer shares: messages in, memories stored, hits and events out.
+
+All times are timezone-aware UTC datetimes; naive datetimes given by callers are taken as UTC.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+
+class Kind(StrEnum):
+    EPISODIC = "episodic"      # what happened: a stored message or document, with its time
+    SEMANTIC = "semantic"      # what is true: a fact or preference, consolidated
+    PROCEDURAL = "procedural"  # how to act: a lesson or rule, consolidated
+
+
+class EventType(StrEnum):
+    ADD = "ADD"
+    UPDATE = "UPDATE"
+    SUPERSEDE = "SUPERSEDE"
+    MERGE = "MERGE"
+    DELETE = "DELETE"
+    ERASE = "ERASE"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Who a record belongs to. `None` in a read means "any"; in a write it means "none"."""
+
+    user_id: str | None = None
+    agent_id: str | None = None
+    session_id: str | None = None
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {"user_id": self.user_id, "agent_id": self.agent_id, "session_id": self.session_id}
+
+    def is_empty(self) -> bool:
+        return self.user_id is None and self.agent_id is None and self.session_id is None
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat turn as given to `Memory.add`."""
+
+    content: str
+    role: str = "user"
+    name: str | None = None
+    observed_at: datetime | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    """A unit of long-term memory, exactly as stored."""
+
+    id: str
+    scope: Scope
+    kind: Kind
+    text: str
+    metadata: dict[str, Any]
+    importance: float
+    created_at: datetime
+    updated_at: datetime
+    observed_at: datetime | None = None
+    valid_from: datetime | None = None
+    valid_to: datetime | None = None
+    superseded_by: str | None = None
+    provenance: tuple[str, ...] = ()
+    role: str | None = None
+    name: str | None = None
+    access_count: int = 0
+    last_accessed_at: datetime | None = None
+    expires_at: datetime | None = None
+    content_hash: str = ""
+    deleted_at: datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: times as ISO-8601 strings, enums as their values."""
+        out = asdict(self)
+        out["scope"] = self.scope.as_dict()
+        out["kind"] = self.kind.value
+        out["provenance"] = list(self.provenance)
+        for key, value in out.items():
+            if isinstance(value, datetime):
+                out[key] = value.isoformat()
+        return out
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One search result: the memory, its final score and how each stage contributed."""
+
+    memory: MemoryRecord
+    score: float
+    explain: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of the audit history. `before` / `after` are memory snapshots (or None)."""
+
+    id: str
+    memory_id: str | None
+    type: EventType
+    at: datetime
+    scope: Scope
+    before: dict[str, Any] | None = None
+    after: dict[str, Any] | None = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "memory_id": self.memory_id, "type": self.type.value,
+            "at": self.at.isoformat(), "scope": self.scope.as_dict(),
+            "before": self.before, "after": self.after, "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True)
+class AddResult:
+    """What one `add` call did: the memories it touched and the events it wrote."""
+
+    memories: list[MemoryRecord]
+    events: list[Event]
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of `list`; pass `next_cursor` back to get the next one (None at the end)."""
+
+    items: list[MemoryRecord]
+    next_cursor: str | None
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def as_utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def new_id() -> str:
+    """A time-ordered UUID (v7 layout): ids sort by creation, which makes cursors trivial."""
+    ms = time.time_ns() // 1_000_000
+    raw = bytearray(ms.to_bytes(6, "big") + os.urandom(10))
+    raw[6] = (raw[6] & 0x0F) | 0x70
+    raw[8] = (raw[8] & 0x3F) | 0x80
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

@@ -1,0 +1,1 @@
+"""The memory lifecycle as pure functions: write (consolidate), read (retrieve), forget."""

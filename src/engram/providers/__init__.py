@@ -1,0 +1,1 @@
+"""Providers: embedders (and, later, language models and tokenizers) behind minimal interfaces."""

@@ -1,0 +1,127 @@
+"""The storage contract: a few primitive operations every backend implements.
+
+Reads take a `Query` (a plain value: scope, kinds, filters, time) that each backend compiles
+to its own SQL; writes happen inside `write()`, one transaction that either commits whole or
+leaves nothing. Everything else (consolidation, ranking, forgetting) lives above the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..filters import Condition
+from ..model import Event, Kind, MemoryRecord, Scope
+
+
+@dataclass(frozen=True)
+class Query:
+    """Which memories a read may see.
+
+    Visible means: in `scope` (None fields match anything), not deleted, not expired at `now`,
+    of one of `kinds`, matching every filter condition, and valid at `as_of` when given
+    (otherwise current: not superseded).
+    """
+
+    scope: Scope
+    now: datetime
+    kinds: tuple[Kind, ...] | None = None
+    conditions: tuple[Condition, ...] = ()
+    as_of: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Key:
+    """One retrieval key of a memory: a vector the dense search matches against.
+
+    A memory has a `text` key and may have more (e.g. `context`: the turn with the turn before
+    it), so one memory can be found through several phrasings; its dense score is the best.
+    """
+
+    kind: str
+    vector: np.ndarray
+
+
+@dataclass(frozen=True)
+class Stats:
+    memories: int
+    by_kind: dict[str, int]
+    deleted: int
+    superseded: int
+    expired: int
+    events: int
+    scopes: int
+    db_bytes: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Tx(Protocol):
+    """Write operations available inside `Store.write()`. Reads on the store see them."""
+
+    def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: str) -> None: ...
+
+    def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
+               lexical: str | None = None) -> None:
+        """Replace the stored record (same id); replace keys / lexical text when given."""
+
+    def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
+        """Hide from reads, drop retrieval keys; the row stays for history."""
+
+    def erase(self, ids: Sequence[str]) -> None:
+        """Remove every trace: rows, keys, lexical index, events naming them."""
+
+    def append(self, event: Event) -> None: ...
+
+
+class Store(Protocol):
+    def write(self) -> AbstractContextManager[Tx]: ...
+
+    def close(self) -> None: ...
+
+    def get(self, ids: Sequence[str]) -> dict[str, MemoryRecord]:
+        """Stored records by id, whatever their state (deleted, expired, superseded)."""
+
+    def select(self, query: Query, *, after_id: str | None = None,
+               limit: int = 50) -> list[MemoryRecord]:
+        """Visible memories ordered by id (creation order), for paging."""
+
+    def ids(self, scope: Scope, *, include_deleted: bool = False) -> list[str]:
+        """Every memory id in a scope (for erase and export)."""
+
+    def dense(self, query: Query, vector: np.ndarray, k: int) -> list[tuple[str, float]]:
+        """Visible memories by best cosine over their keys, highest first."""
+
+    def lexical(self, query: Query, terms: Sequence[str], k: int) -> list[tuple[str, float]]:
+        """Visible memories matching any of `terms` by BM25 (higher is better)."""
+
+    def find_hash(self, scope: Scope, kind: Kind, content_hash: str,
+                  now: datetime) -> MemoryRecord | None:
+        """A visible, current memory of exactly this scope and kind with this content hash."""
+
+    def last_episode(self, scope: Scope) -> MemoryRecord | None:
+        """The most recently observed visible episode of exactly this scope."""
+
+    def neighbors(self, ids: Sequence[str]) -> dict[str, list[str]]:
+        """For episodes: ids of the episodes just before and after each, in the same session."""
+
+    def eviction_pool(self, scope: Scope, now: datetime) -> list[MemoryRecord]:
+        """Visible memories of exactly this scope, for capacity eviction."""
+
+    def events(self, memory_id: str) -> list[Event]: ...
+
+    def touch(self, ids: Sequence[str], at: datetime) -> None:
+        """Best effort: count an access (never blocks on a busy database)."""
+
+    def stats(self, scope: Scope, now: datetime) -> Stats: ...
+
+    def iter_export(self, scope: Scope) -> Iterator[tuple[MemoryRecord, list[Event]]]: ...
+
+    def reclaim(self) -> None:
+        """Make erased bytes unrecoverable from the files (checkpoint, purge free pages)."""

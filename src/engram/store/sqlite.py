@@ -1,0 +1,594 @@
+"""The embedded default store: one SQLite file (WAL, FTS5, vectors as float32 blobs).
+
+The database is the source of truth. Dense search runs over an in-process matrix per scope,
+a cache that is rebuilt (incrementally) from the `memory_keys` table whenever another writer
+has changed it; a stale cache entry is caught by re-checking candidates against the table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import StoreBusy, StoreError
+from ..filters import Condition
+from ..model import Event, EventType, Kind, MemoryRecord, Scope
+from .base import Key, Query, Stats
+
+log = logging.getLogger("engram.store")
+
+# Named migrations, applied in order, each in its own transaction. Never edit a released one:
+# append a new one.
+MIGRATIONS: list[tuple[str, list[str]]] = [
+    ("0001_initial", [
+        """CREATE TABLE memories (
+            rid INTEGER PRIMARY KEY,
+            id TEXT NOT NULL UNIQUE,
+            user_id TEXT, agent_id TEXT, session_id TEXT,
+            kind TEXT NOT NULL,
+            text TEXT NOT NULL,
+            metadata TEXT NOT NULL DEFAULT '{}',
+            importance REAL NOT NULL,
+            role TEXT, name TEXT,
+            created_at REAL NOT NULL, updated_at REAL NOT NULL, observed_at REAL,
+            valid_from REAL, valid_to REAL, superseded_by TEXT,
+            provenance TEXT NOT NULL DEFAULT '[]',
+            access_count INTEGER NOT NULL DEFAULT 0, last_accessed_at REAL,
+            expires_at REAL,
+            content_hash TEXT NOT NULL,
+            deleted_at REAL)""",
+        "CREATE INDEX memories_user ON memories(user_id, kind)",
+        "CREATE INDEX memories_agent ON memories(agent_id)",
+        "CREATE INDEX memories_session ON memories(session_id, valid_from)",
+        "CREATE INDEX memories_hash ON memories(content_hash)",
+        """CREATE TABLE memory_keys (
+            seq INTEGER PRIMARY KEY,
+            memory_id TEXT NOT NULL REFERENCES memories(id) ON DELETE CASCADE,
+            kind TEXT NOT NULL,
+            vector BLOB NOT NULL)""",
+        "CREATE INDEX memory_keys_memory ON memory_keys(memory_id)",
+        "CREATE VIRTUAL TABLE memory_fts USING fts5(body, tokenize='porter unicode61 remove_diacritics 2')",
+        """CREATE TABLE events (
+            rid INTEGER PRIMARY KEY,
+            id TEXT NOT NULL UNIQUE,
+            memory_id TEXT,
+            type TEXT NOT NULL,
+            at REAL NOT NULL,
+            user_id TEXT, agent_id TEXT, session_id TEXT,
+            before TEXT, after TEXT, reason TEXT)""",
+        "CREATE INDEX events_memory ON events(memory_id)",
+        "CREATE INDEX events_scope ON events(user_id, agent_id, session_id)",
+        "CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+        "INSERT INTO meta(name, value) VALUES ('keys_version', 0)",
+    ]),
+]
+
+_COLUMNS = ("id user_id agent_id session_id kind text metadata importance role name created_at "
+            "updated_at observed_at valid_from valid_to superseded_by provenance access_count "
+            "last_accessed_at expires_at content_hash deleted_at").split()
+_SELECT = "SELECT " + ", ".join(f"m.{c}" for c in _COLUMNS) + " FROM memories m"
+_RECORD_COLUMNS = {"created_at", "updated_at", "observed_at", "valid_from", "valid_to",
+                   "expires_at", "last_accessed_at", "importance", "access_count", "role",
+                   "name", "kind", "id"}
+
+
+def _ts(value: datetime | None) -> float | None:
+    return None if value is None else value.timestamp()
+
+
+def _dt(value: float | None) -> datetime | None:
+    return None if value is None else datetime.fromtimestamp(value, UTC)
+
+
+def _row_to_record(row: Sequence[Any]) -> MemoryRecord:
+    r = dict(zip(_COLUMNS, row, strict=True))
+    return MemoryRecord(
+        id=r["id"], scope=Scope(r["user_id"], r["agent_id"], r["session_id"]),
+        kind=Kind(r["kind"]), text=r["text"], metadata=json.loads(r["metadata"]),
+        importance=r["importance"], role=r["role"], name=r["name"],
+        created_at=_dt(r["created_at"]), updated_at=_dt(r["updated_at"]),  # type: ignore[arg-type]
+        observed_at=_dt(r["observed_at"]), valid_from=_dt(r["valid_from"]),
+        valid_to=_dt(r["valid_to"]), superseded_by=r["superseded_by"],
+        provenance=tuple(json.loads(r["provenance"])), access_count=r["access_count"],
+        last_accessed_at=_dt(r["last_accessed_at"]), expires_at=_dt(r["expires_at"]),
+        content_hash=r["content_hash"], deleted_at=_dt(r["deleted_at"]),
+    )
+
+
+def _record_values(rec: MemoryRecord) -> list[Any]:
+    return [
+        rec.id, rec.scope.user_id, rec.scope.agent_id, rec.scope.session_id, rec.kind.value,
+        rec.text, json.dumps(rec.metadata, ensure_ascii=False), rec.importance, rec.role,
+        rec.name, _ts(rec.created_at), _ts(rec.updated_at), _ts(rec.observed_at),
+        _ts(rec.valid_from), _ts(rec.valid_to), rec.superseded_by, json.dumps(list(rec.provenance)),
+        rec.access_count, _ts(rec.last_accessed_at), _ts(rec.expires_at), rec.content_hash,
+        _ts(rec.deleted_at),
+    ]
+
+
+def _row_to_event(row: Sequence[Any]) -> Event:
+    eid, mid, typ, at, uid, aid, sid, before, after, reason = row
+    return Event(id=eid, memory_id=mid, type=EventType(typ), at=_dt(at),  # type: ignore[arg-type]
+                 scope=Scope(uid, aid, sid), before=json.loads(before) if before else None,
+                 after=json.loads(after) if after else None, reason=reason)
+
+
+def _scope_sql(scope: Scope, exact: bool = False) -> tuple[list[str], list[Any]]:
+    """Scope conditions. A `None` field matches anything, unless `exact` (then it means NULL)."""
+    sql: list[str] = []
+    params: list[Any] = []
+    for col, value in scope.as_dict().items():
+        if value is not None:
+            sql.append(f"m.{col} = ?")
+            params.append(value)
+        elif exact:
+            sql.append(f"m.{col} IS NULL")
+    return sql, params
+
+
+def _condition_sql(c: Condition) -> tuple[str, list[Any]]:
+    target = f"json_extract(m.metadata, ?)" if c.metadata else f"m.{c.field}"
+    tparams: list[Any] = [f'$."{c.field}"'] if c.metadata else []
+    if c.field in _RECORD_COLUMNS and not c.metadata:
+        assert c.field in _RECORD_COLUMNS  # column names come from a closed set
+    if c.op == "eq":
+        if c.value is None:
+            return f"{target} IS NULL", tparams
+        return f"{target} = ?", [*tparams, c.value]
+    if c.op == "ne":
+        return f"{target} IS NOT ?", [*tparams, c.value]
+    if c.op in ("in", "nin"):
+        marks = ", ".join("?" * len(c.value))
+        if c.op == "in":
+            return f"{target} IN ({marks})", [*tparams, *c.value]
+        return f"({target} IS NULL OR {target} NOT IN ({marks}))", [*tparams, *tparams, *c.value]
+    sym = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}[c.op]
+    return f"{target} {sym} ?", [*tparams, c.value]
+
+
+def compile_query(q: Query) -> tuple[str, list[Any]]:
+    """The WHERE clause (over alias `m`) selecting the memories `q` may see."""
+    now = q.now.timestamp()
+    sql = ["m.deleted_at IS NULL", "(m.expires_at IS NULL OR m.expires_at > ?)"]
+    params: list[Any] = [now]
+    s_sql, s_params = _scope_sql(q.scope)
+    sql += s_sql
+    params += s_params
+    if q.kinds:
+        sql.append(f"m.kind IN ({', '.join('?' * len(q.kinds))})")
+        params += [k.value for k in q.kinds]
+    if q.as_of is not None:
+        t = q.as_of.timestamp()
+        sql.append("(m.valid_from IS NULL OR m.valid_from <= ?) AND (m.valid_to IS NULL OR m.valid_to > ?)")
+        params += [t, t]
+    else:
+        sql.append("(m.valid_to IS NULL OR m.valid_to > ?)")
+        params.append(now)
+    for c in q.conditions:
+        c_sql, c_params = _condition_sql(c)
+        sql.append(c_sql)
+        params += c_params
+    return " AND ".join(sql), params
+
+
+class _Slab:
+    """Vectors of one scope, held in a growable float32 matrix (a cache of `memory_keys`)."""
+
+    def __init__(self, dim: int) -> None:
+        self.mat = np.zeros((1024, dim), dtype=np.float32)
+        self.seqs = np.zeros(1024, dtype=np.int64)
+        self.alive = np.zeros(1024, dtype=bool)
+        self.memory_ids: list[str] = []
+        self.n = 0
+        self.max_seq = 0
+        self.version = -1
+
+    def append(self, seqs: list[int], mids: list[str], vecs: np.ndarray) -> None:
+        need = self.n + len(seqs)
+        if need > len(self.seqs):
+            cap = max(need, 2 * len(self.seqs))
+            self.mat = np.resize(self.mat, (cap, self.mat.shape[1]))
+            self.seqs = np.resize(self.seqs, cap)
+            self.alive = np.resize(self.alive, cap)
+        self.mat[self.n:need] = vecs
+        self.seqs[self.n:need] = seqs
+        self.alive[self.n:need] = True
+        self.memory_ids.extend(mids)
+        self.n = need
+        if seqs:
+            self.max_seq = max(self.max_seq, max(seqs))
+
+
+class SQLiteStore:
+    """`Store` over one SQLite file; safe across threads and processes."""
+
+    MAX_SLABS = 16
+
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
+        self.path = Path(path)
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.busy_timeout_s = busy_timeout_s
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._conns_lock = threading.Lock()
+        self._slabs: OrderedDict[tuple[Any, ...], _Slab] = OrderedDict()
+        self._slabs_lock = threading.Lock()
+        self._closed = False
+        self._migrate()
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            if self._closed:
+                raise StoreError("the store is closed")
+            try:
+                conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s,
+                                       isolation_level=None, check_same_thread=False)
+                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA synchronous = FULL")
+                conn.execute("PRAGMA secure_delete = ON")
+                conn.execute("PRAGMA foreign_keys = ON")
+            except sqlite3.Error as exc:
+                raise StoreError(f"cannot open {self.path}: {exc}") from exc
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def close(self) -> None:
+        self._closed = True
+        with self._conns_lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+        self._local = threading.local()
+
+    @contextmanager
+    def write(self) -> Iterator[_SQLiteTx]:
+        """One write transaction (BEGIN IMMEDIATE), retried while another process holds the lock."""
+        conn = self._conn()
+        deadline = time.monotonic() + self.busy_timeout_s
+        delay = 0.005
+        while True:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise StoreError(str(exc)) from exc
+                if time.monotonic() > deadline:
+                    raise StoreBusy(f"{self.path} stayed locked for {self.busy_timeout_s}s") from exc
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
+        tx = _SQLiteTx(conn)
+        try:
+            yield tx
+            if tx.keys_changed:
+                conn.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
+            conn.execute("COMMIT")
+        except BaseException as exc:
+            conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"write failed and was rolled back: {exc}") from exc
+            raise
+
+    def _migrate(self) -> None:
+        with self.write() as tx:
+            c = tx.conn
+            c.execute("CREATE TABLE IF NOT EXISTS schema_migrations "
+                      "(name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+            done = {r[0] for r in c.execute("SELECT name FROM schema_migrations")}
+            for name, statements in MIGRATIONS:
+                if name in done:
+                    continue
+                for stmt in statements:
+                    c.execute(stmt)
+                c.execute("INSERT INTO schema_migrations VALUES (?, ?)", (name, time.time()))
+                log.info("applied migration %s to %s", name, self.path)
+
+    def migrations(self) -> list[str]:
+        return [r[0] for r in self._conn().execute("SELECT name FROM schema_migrations ORDER BY name")]
+
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        try:
+            return self._conn().execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(str(exc)) from exc
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def get(self, ids: Sequence[str]) -> dict[str, MemoryRecord]:
+        out: dict[str, MemoryRecord] = {}
+        for chunk in _chunks(list(ids), 500):
+            rows = self._read(f"{_SELECT} WHERE m.id IN ({', '.join('?' * len(chunk))})", chunk)
+            out.update((r[0], _row_to_record(r)) for r in rows)
+        return out
+
+    def select(self, query: Query, *, after_id: str | None = None,
+               limit: int = 50) -> list[MemoryRecord]:
+        where, params = compile_query(query)
+        if after_id is not None:
+            where += " AND m.id > ?"
+            params.append(after_id)
+        rows = self._read(f"{_SELECT} WHERE {where} ORDER BY m.id LIMIT ?", [*params, limit])
+        return [_row_to_record(r) for r in rows]
+
+    def ids(self, scope: Scope, *, include_deleted: bool = False) -> list[str]:
+        sql, params = _scope_sql(scope)
+        if not include_deleted:
+            sql.append("m.deleted_at IS NULL")
+        where = " AND ".join(sql) or "1"
+        return [r[0] for r in self._read(f"SELECT m.id FROM memories m WHERE {where} ORDER BY m.id", params)]
+
+    def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
+        where, params = compile_query(query)
+        out: set[str] = set()
+        for chunk in _chunks(list(ids), 500):
+            rows = self._read(f"SELECT m.id FROM memories m WHERE m.id IN ({', '.join('?' * len(chunk))}) "
+                              f"AND {where}", [*chunk, *params])
+            out.update(r[0] for r in rows)
+        return out
+
+    def _slab(self, scope: Scope, dim: int) -> _Slab:
+        version = self._read("SELECT value FROM meta WHERE name = 'keys_version'")[0][0]
+        key = (scope.user_id, scope.agent_id, scope.session_id)
+        with self._slabs_lock:
+            slab = self._slabs.get(key)
+            if slab is None or slab.mat.shape[1] != dim:
+                slab = _Slab(dim)
+                self._slabs[key] = slab
+            self._slabs.move_to_end(key)
+            while len(self._slabs) > self.MAX_SLABS:
+                self._slabs.popitem(last=False)
+            if slab.version != version:
+                s_sql, s_params = _scope_sql(scope)
+                where = " AND ".join(["k.seq > ?", "m.deleted_at IS NULL", *s_sql])
+                rows = self._read(
+                    "SELECT k.seq, k.memory_id, k.vector FROM memory_keys k "
+                    f"JOIN memories m ON m.id = k.memory_id WHERE {where} ORDER BY k.seq",
+                    [slab.max_seq, *s_params])
+                if rows:
+                    vecs = np.frombuffer(b"".join(r[2] for r in rows), dtype=np.float32)
+                    slab.append([r[0] for r in rows], [r[1] for r in rows], vecs.reshape(len(rows), dim))
+                slab.version = version
+            return slab
+
+    def dense(self, query: Query, vector: np.ndarray, k: int) -> list[tuple[str, float]]:
+        vector = np.asarray(vector, dtype=np.float32)
+        slab = self._slab(query.scope, vector.shape[0])
+        with self._slabs_lock:
+            n = slab.n
+            sims = slab.mat[:n] @ vector
+            sims[~slab.alive[:n]] = -np.inf
+            seqs = slab.seqs[:n].copy()
+            mids = slab.memory_ids[:n]
+        pool = min(n, 4 * k + 64)
+        while True:
+            top = np.argpartition(-sims, pool - 1)[:pool] if pool < n else np.arange(n)
+            top = top[np.isfinite(sims[top])]
+            top = top[np.argsort(-sims[top], kind="stable")]
+            alive = self._alive_seqs([int(seqs[i]) for i in top])
+            dead = [i for i in top if int(seqs[i]) not in alive]
+            if dead:
+                with self._slabs_lock:
+                    slab.alive[dead] = False
+            best: dict[str, float] = {}
+            for i in top:
+                if int(seqs[i]) in alive and mids[i] not in best:
+                    best[mids[i]] = float(sims[i])
+            visible = self._visible(query, list(best))
+            hits = [(mid, s) for mid, s in best.items() if mid in visible]
+            if len(hits) >= k or pool >= n:
+                return hits[:k]
+            pool = min(n, pool * 4)
+
+    def _alive_seqs(self, seqs: list[int]) -> set[int]:
+        out: set[int] = set()
+        for chunk in _chunks(seqs, 500):
+            rows = self._read(f"SELECT seq FROM memory_keys WHERE seq IN ({', '.join('?' * len(chunk))})", chunk)
+            out.update(r[0] for r in rows)
+        return out
+
+    def lexical(self, query: Query, terms: Sequence[str], k: int) -> list[tuple[str, float]]:
+        if not terms:
+            return []
+        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+        where, params = compile_query(query)
+        rows = self._read(
+            "SELECT m.id, -bm25(memory_fts) AS s FROM memory_fts "
+            f"JOIN memories m ON m.rid = memory_fts.rowid WHERE memory_fts MATCH ? AND {where} "
+            "ORDER BY s DESC LIMIT ?", [match, *params, k])
+        return [(r[0], float(r[1])) for r in rows]
+
+    def find_hash(self, scope: Scope, kind: Kind, content_hash: str,
+                  now: datetime) -> MemoryRecord | None:
+        s_sql, s_params = _scope_sql(scope, exact=True)
+        t = now.timestamp()
+        rows = self._read(
+            f"{_SELECT} WHERE m.content_hash = ? AND m.kind = ? AND m.deleted_at IS NULL "
+            "AND (m.expires_at IS NULL OR m.expires_at > ?) AND (m.valid_to IS NULL OR m.valid_to > ?) "
+            f"AND {' AND '.join(s_sql)} LIMIT 1", [content_hash, kind.value, t, t, *s_params])
+        return _row_to_record(rows[0]) if rows else None
+
+    def last_episode(self, scope: Scope) -> MemoryRecord | None:
+        s_sql, s_params = _scope_sql(scope, exact=True)
+        rows = self._read(
+            f"{_SELECT} WHERE m.kind = 'episodic' AND m.deleted_at IS NULL AND {' AND '.join(s_sql)} "
+            "ORDER BY m.valid_from DESC, m.rid DESC LIMIT 1", s_params)
+        return _row_to_record(rows[0]) if rows else None
+
+    def neighbors(self, ids: Sequence[str]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for mid in ids:
+            rows = self._read(
+                "SELECT m.session_id, m.user_id, m.agent_id, m.valid_from, m.rid FROM memories m "
+                "WHERE m.id = ? AND m.kind = 'episodic' AND m.session_id IS NOT NULL", [mid])
+            if not rows:
+                continue
+            sid, uid, aid, vf, rid = rows[0]
+            same = ("m.session_id = ? AND m.user_id IS ? AND m.agent_id IS ? AND m.kind = 'episodic' "
+                    "AND m.deleted_at IS NULL")
+            prev = self._read(
+                f"SELECT m.id FROM memories m WHERE {same} AND (m.valid_from < ? OR "
+                "(m.valid_from = ? AND m.rid < ?)) ORDER BY m.valid_from DESC, m.rid DESC LIMIT 1",
+                [sid, uid, aid, vf, vf, rid])
+            nxt = self._read(
+                f"SELECT m.id FROM memories m WHERE {same} AND (m.valid_from > ? OR "
+                "(m.valid_from = ? AND m.rid > ?)) ORDER BY m.valid_from, m.rid LIMIT 1",
+                [sid, uid, aid, vf, vf, rid])
+            out[mid] = [r[0] for r in prev + nxt]
+        return out
+
+    def eviction_pool(self, scope: Scope, now: datetime) -> list[MemoryRecord]:
+        s_sql, s_params = _scope_sql(scope, exact=True)
+        t = now.timestamp()
+        rows = self._read(
+            f"{_SELECT} WHERE m.deleted_at IS NULL AND (m.expires_at IS NULL OR m.expires_at > ?) "
+            f"AND {' AND '.join(s_sql)}", [t, *s_params])
+        return [_row_to_record(r) for r in rows]
+
+    def events(self, memory_id: str) -> list[Event]:
+        rows = self._read(
+            "SELECT id, memory_id, type, at, user_id, agent_id, session_id, before, after, reason "
+            "FROM events WHERE memory_id = ? ORDER BY rid", [memory_id])
+        return [_row_to_event(r) for r in rows]
+
+    def touch(self, ids: Sequence[str], at: datetime) -> None:
+        if not ids:
+            return
+        conn = self._conn()
+        try:
+            conn.execute("PRAGMA busy_timeout = 20")
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(
+                "UPDATE memories SET access_count = access_count + 1, last_accessed_at = ? "
+                f"WHERE id IN ({', '.join('?' * len(ids))})", [at.timestamp(), *ids])
+            conn.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            log.debug("access tracking skipped: %s", exc)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+
+    def stats(self, scope: Scope, now: datetime) -> Stats:
+        s_sql, s_params = _scope_sql(scope)
+        where = " AND ".join(s_sql) or "1"
+        t = now.timestamp()
+        by_kind = dict(self._read(
+            f"SELECT m.kind, count(*) FROM memories m WHERE {where} AND m.deleted_at IS NULL "
+            "AND (m.expires_at IS NULL OR m.expires_at > ?) AND (m.valid_to IS NULL OR m.valid_to > ?) "
+            "GROUP BY m.kind", [*s_params, t, t]))
+        (deleted, superseded, expired, scopes), = self._read(
+            "SELECT sum(m.deleted_at IS NOT NULL), "
+            "sum(m.deleted_at IS NULL AND m.valid_to IS NOT NULL AND m.valid_to <= ?), "
+            "sum(m.deleted_at IS NULL AND m.expires_at IS NOT NULL AND m.expires_at <= ?), "
+            "count(DISTINCT coalesce(m.user_id, '') || '\x1f' || coalesce(m.agent_id, '') || '\x1f' "
+            f"|| coalesce(m.session_id, '')) FROM memories m WHERE {where}", [t, t, *s_params])
+        e_sql = where.replace("m.", "e.")
+        (events,), = self._read(f"SELECT count(*) FROM events e WHERE {e_sql}", s_params)
+        size = None
+        if self.path.exists():
+            size = sum(p.stat().st_size for p in self.path.parent.glob(self.path.name + "*"))
+        return Stats(memories=sum(by_kind.values()), by_kind=by_kind, deleted=deleted or 0,
+                     superseded=superseded or 0, expired=expired or 0, events=events,
+                     scopes=scopes, db_bytes=size)
+
+    def iter_export(self, scope: Scope) -> Iterator[tuple[MemoryRecord, list[Event]]]:
+        for chunk in _chunks(self.ids(scope, include_deleted=True), 500):
+            records = self.get(chunk)
+            for mid in chunk:
+                yield records[mid], self.events(mid)
+
+    def reclaim(self) -> None:
+        conn = self._conn()
+        try:
+            with self.write() as tx:
+                tx.conn.execute("INSERT INTO memory_fts(memory_fts) VALUES ('optimize')")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as exc:
+            raise StoreError(f"reclaim failed: {exc}") from exc
+
+
+class _SQLiteTx:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.keys_changed = False
+
+    def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: str) -> None:
+        cur = self.conn.execute(
+            f"INSERT INTO memories ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
+            _record_values(record))
+        self.conn.execute("INSERT INTO memory_fts(rowid, body) VALUES (?, ?)", (cur.lastrowid, lexical))
+        self._put_keys(record.id, keys)
+
+    def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
+        self.conn.executemany(
+            "INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
+            [(memory_id, k.kind, np.asarray(k.vector, dtype=np.float32).tobytes()) for k in keys])
+        self.keys_changed = True
+
+    def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
+               lexical: str | None = None) -> None:
+        sets = ", ".join(f"{c} = ?" for c in _COLUMNS[1:])
+        self.conn.execute(f"UPDATE memories SET {sets} WHERE id = ?",
+                          [*_record_values(record)[1:], record.id])
+        if keys is not None:
+            self.conn.execute("DELETE FROM memory_keys WHERE memory_id = ?", (record.id,))
+            self._put_keys(record.id, keys)
+        if lexical is not None:
+            (rid,), = self.conn.execute("SELECT rid FROM memories WHERE id = ?", (record.id,))
+            self.conn.execute("DELETE FROM memory_fts WHERE rowid = ?", (rid,))
+            self.conn.execute("INSERT INTO memory_fts(rowid, body) VALUES (?, ?)", (rid, lexical))
+
+    def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
+        for chunk in _chunks(list(ids), 500):
+            marks = ", ".join("?" * len(chunk))
+            self.conn.execute(f"UPDATE memories SET deleted_at = ?, updated_at = ? WHERE id IN ({marks})",
+                              [at.timestamp(), at.timestamp(), *chunk])
+            self._drop_index(chunk)
+
+    def _drop_index(self, ids: Sequence[str]) -> None:
+        marks = ", ".join("?" * len(ids))
+        self.conn.execute(f"DELETE FROM memory_keys WHERE memory_id IN ({marks})", list(ids))
+        self.conn.execute(f"DELETE FROM memory_fts WHERE rowid IN "
+                          f"(SELECT rid FROM memories WHERE id IN ({marks}))", list(ids))
+        self.keys_changed = True
+
+    def erase(self, ids: Sequence[str]) -> None:
+        for chunk in _chunks(list(ids), 500):
+            marks = ", ".join("?" * len(chunk))
+            self._drop_index(chunk)
+            self.conn.execute(f"DELETE FROM events WHERE memory_id IN ({marks})", chunk)
+            self.conn.execute(f"DELETE FROM memories WHERE id IN ({marks})", chunk)
+
+    def append(self, event: Event) -> None:
+        s = event.scope
+        self.conn.execute(
+            "INSERT INTO events (id, memory_id, type, at, user_id, agent_id, session_id, before, "
+            "after, reason) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (event.id, event.memory_id, event.type.value, event.at.timestamp(), s.user_id,
+             s.agent_id, s.session_id,
+             json.dumps(event.before, ensure_ascii=False) if event.before is not None else None,
+             json.dumps(event.after, ensure_ascii=False) if event.after is not None else None,
+             event.reason))
+
+
+def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
