@@ -77,11 +77,22 @@ def _scalar(key: str, value: Any) -> Scalar:
                 raise InvalidFilter(f"{key!r} needs an ISO-8601 time, got {value!r}") from exc
         if not isinstance(value, datetime):
             raise InvalidFilter(f"{key!r} needs a datetime or ISO-8601 string")
-        return as_utc(value).timestamp()
+        try:
+            return as_utc(value).timestamp()
+        except OverflowError:
+            raise InvalidFilter(f"{key!r}: {value!r} is outside the supported range") from None
     if isinstance(value, datetime):
-        return as_utc(value).isoformat()
+        try:
+            return as_utc(value).isoformat()
+        except OverflowError:
+            raise InvalidFilter(f"{key!r}: {value!r} is outside the supported range") from None
     if value is None or isinstance(value, str | int | float | bool):
         if isinstance(value, float) and value != value:
             raise InvalidFilter(f"NaN is not a valid filter value for {key!r}")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidFilter(f"filter value for {key!r} is not valid unicode") from None
         return value
     raise InvalidFilter(f"filter value for {key!r} must be a scalar, not {type(value).__name__}")

@@ -12,7 +12,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,7 +39,7 @@ from .pipeline import consolidate, forget
 from .pipeline.retrieve import RetrievalConfig, fuse, get_preset, rank
 from .pipeline.text import content_hash, terms
 from .providers.embedders import Embedder, get_embedder
-from .store import Key, Query, SQLiteStore, Stats, Store
+from .store import Key, Lexical, Query, SQLiteStore, Stats, Store
 
 log = logging.getLogger("engram.memory")
 T = TypeVar("T")
@@ -53,6 +53,7 @@ class _Unset:
 UNSET: Any = _Unset()  # "not given", as opposed to an explicit None
 MAX_ID_CHARS = 256
 MAX_LIMIT = 1000
+WINDOW = 3  # turns in an episode's `window` key: itself and the two before it
 EXPORT_FORMAT = "engram-export"
 EXPORT_VERSION = 1
 
@@ -105,16 +106,16 @@ class Memory:
                    for m in msgs]
 
         # Embed before the transaction: the write lock is held for milliseconds, not model time.
-        keys = self._keys(records)
+        index = self._index(records)
         with self.store.write() as tx:
             # Reads first (neighbours for consolidation), writes after.
-            neighbours = {r.id: self._neighbours(r, keys[r.id][0].vector, now)
+            neighbours = {r.id: self._neighbours(r, index[r.id][0][0].vector, now)
                           for r in records if r.kind is not Kind.EPISODIC}
             stored: list[MemoryRecord] = []
             events: list[Event] = []
             batch: list[tuple[MemoryRecord, np.ndarray]] = []
             for rec in records:
-                vec = keys[rec.id][0].vector
+                vec = index[rec.id][0][0].vector
                 earlier = [(r, float(np.dot(vec, v))) for r, v in batch]
                 decision = consolidate.decide(
                     rec, [*neighbours.get(rec.id, []), *earlier],
@@ -130,7 +131,7 @@ class Memory:
                     target = next((r for r, _ in batch if r.id == decision.target.id),
                                   decision.target)
                     merged = consolidate.merge(target, rec, now)
-                    tx.update(merged, self._keys([merged])[merged.id], _speaker_text(merged))
+                    tx.update(merged, *self._index([merged])[merged.id])
                     ev = _event(EventType.MERGE, merged, now, before=target, after=merged,
                                 reason=decision.reason)
                     batch = [(merged, v) if r.id == merged.id else (r, v) for r, v in batch]
@@ -139,7 +140,7 @@ class Memory:
                         stored.append(merged)
                     log.info("merged into %s: %s", merged.id, decision.reason)
                 else:
-                    tx.insert(rec, keys[rec.id], _speaker_text(rec))
+                    tx.insert(rec, *index[rec.id])
                     ev = _event(EventType.ADD, rec, now, after=rec, reason=decision.reason)
                     batch.append((rec, vec))
                     stored.append(rec)
@@ -165,6 +166,9 @@ class Memory:
         name = m.get("name")
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise InvalidInput("a message 'name' must be a non-empty string")
+        _utf8(role, "a message 'role'")
+        if name is not None:
+            _utf8(name, "a message 'name'")
         return Message(content=self._text(m["content"]), role=role, name=name,
                        observed_at=_time(m.get("observed_at"), "observed_at"),
                        metadata=_metadata(m.get("metadata")))
@@ -194,26 +198,38 @@ class Memory:
             expires_at=expires_at, content_hash=content_hash(m.content),
         )
 
-    def _keys(self, records: Sequence[MemoryRecord]) -> dict[str, list[Key]]:
-        """Retrieval keys: each text, and for episodes the text in context of the turn before."""
+    def _index(self, records: Sequence[MemoryRecord],
+               history: dict[Scope, list[MemoryRecord]] | None = None,
+               ) -> dict[str, tuple[list[Key], Lexical]]:
+        """How each memory is found: its retrieval keys and its lexical document.
+
+        An episode is indexed with its conversational context, because a turn is often
+        understood only with the turns before it ("Yes, since 2019!"): a `window` key embeds
+        the turn with the two before it in the same scope, and the lexical index holds the
+        previous turn as a lower-weighted column.
+        """
         texts: list[str] = []
         owners: list[tuple[str, str]] = []
-        prev: dict[Scope, MemoryRecord | None] = {}
+        lexical: dict[str, Lexical] = {}
+        history = {} if history is None else history  # the last turns seen, per scope
         for rec in records:
-            texts.append(_speaker_text(rec))
+            own = _speaker_text(rec)
+            texts.append(own)
             owners.append((rec.id, "text"))
-            if rec.kind is Kind.EPISODIC:
-                if rec.scope not in prev:
-                    prev[rec.scope] = self.store.last_episode(rec.scope)
-                before = prev[rec.scope]
-                if before is not None and before.id != rec.id:
-                    texts.append(_speaker_text(before) + "\n" + _speaker_text(rec))
-                    owners.append((rec.id, "context"))
-                prev[rec.scope] = rec
+            if rec.kind is not Kind.EPISODIC:
+                lexical[rec.id] = Lexical(own)
+                continue
+            if rec.scope not in history:
+                history[rec.scope] = self.store.recent_episodes(rec.scope, WINDOW - 1)[::-1]
+            before = [r for r in history[rec.scope] if r.id != rec.id][-(WINDOW - 1):]
+            texts.append("\n".join([*map(_speaker_text, before), own]))
+            owners.append((rec.id, "window"))
+            lexical[rec.id] = Lexical(own, _speaker_text(before[-1]) if before else "")
+            history[rec.scope] = [*before, rec]
         vectors = self.embedder.embed_batch(texts)
-        out: dict[str, list[Key]] = {rec.id: [] for rec in records}
+        out: dict[str, tuple[list[Key], Lexical]] = {r.id: ([], lexical[r.id]) for r in records}
         for (mid, label), vec in zip(owners, vectors, strict=True):
-            out[mid].append(Key(label, vec))
+            out[mid][0].append(Key(label, vec))
         return out
 
     def _neighbours(self, rec: MemoryRecord, vec: np.ndarray,
@@ -262,12 +278,11 @@ class Memory:
             raise InvalidInput("update needs at least one of text, metadata, importance, expires_at")
         now = utcnow()
         after = replace(before, **changes, updated_at=now)
-        keys = self._keys([after]) if "text" in changes else None
+        index = self._index([after])[after.id] if "text" in changes else None
         with self.store.write() as tx:
             if self._visible(before.id, now) is None:  # deleted meanwhile by another writer
                 raise NotFound(f"no memory with id {id!r}")
-            tx.update(after, keys[after.id] if keys else None,
-                      _speaker_text(after) if "text" in changes else None)
+            tx.update(after, *(index or (None, None)))
             tx.append(_event(EventType.UPDATE, after, now, before=before, after=after))
         log.info("updated %s: %s", id, sorted(changes))
         return after
@@ -351,14 +366,18 @@ class Memory:
         limit = _limit(limit)
         cfg = self.retrieval
         n = max(cfg.candidates, limit)
-        dense: list[tuple[str, float]] = []
-        if cfg.dense_weight:
-            dense = self.store.dense(q, self.embedder.embed_batch([text])[0], n)
-        lexical = self.store.lexical(q, terms(text), n) if cfg.lexical_weight else []
-        fused = fuse(dense, lexical, cfg)
-        records = self.store.get(list(fused))
-        neighbors = self.store.neighbors(list(fused)) if cfg.neighbor_weight else None
-        hits = rank(fused, records, text, cfg, q.as_of or q.now, neighbors)[:limit]
+        ranked: dict[str, list[tuple[str, float]]] = {}
+        if cfg.dense_weight or cfg.window_weight:
+            vector = self.embedder.embed_batch([text])[0]
+            for label, key, w in (("dense", "text", cfg.dense_weight),
+                                  ("window", "window", cfg.window_weight)):
+                if w:
+                    ranked[label] = self.store.dense(q, vector, n, key=key)
+        if cfg.lexical_weight:
+            ranked["lexical"] = self.store.lexical(q, terms(text), n, cfg.context_weight)
+        fused = fuse(ranked, {"dense": cfg.dense_weight, "window": cfg.window_weight,
+                              "lexical": cfg.lexical_weight}, cfg)
+        hits = rank(fused, self.store.get(list(fused)), text, cfg, q.as_of or q.now)[:limit]
         self.store.touch([h.memory.id for h in hits], q.now)
         if log.isEnabledFor(logging.DEBUG):
             for h in hits:
@@ -417,15 +436,15 @@ class Memory:
         items = _read_export(Path(path))
         existing = self.store.get([rec.id for rec, _ in items])
         todo = [(rec, events) for rec, events in items if rec.id not in existing]
-        keys: dict[str, list[Key]] = {}
+        index: dict[str, tuple[list[Key], Lexical]] = {}
+        history: dict[Scope, list[MemoryRecord]] = {}
         for i in range(0, len(todo), 256):
-            chunk = [rec for rec, _ in todo[i:i + 256]]
-            keys.update(self._keys([r for r in chunk if r.deleted_at is None]))
+            index.update(self._index([rec for rec, _ in todo[i:i + 256]], history))
             if progress:
                 progress(min(i + 256, len(todo)), len(todo))
         with self.store.write() as tx:
             for rec, events in todo:
-                tx.insert(rec, keys.get(rec.id, []), _speaker_text(rec))
+                tx.insert(rec, *index[rec.id])
                 if rec.deleted_at is not None:
                     tx.soft_delete([rec.id], rec.deleted_at)
                 for ev in events:
@@ -492,6 +511,15 @@ class AsyncMemory:
 def _id(value: Any, what: str = "id") -> str:
     if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
         raise InvalidInput(f"{what} must be a non-empty string of at most {MAX_ID_CHARS} characters")
+    return _utf8(value, what)
+
+
+def _utf8(value: str, what: str) -> str:
+    """Refuse lone surrogates: valid Python strings that no database or model can take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"{what} is not valid unicode: {exc.reason}") from None
     return value
 
 
@@ -524,7 +552,9 @@ def _metadata(meta: Any) -> dict[str, Any]:
     if not all(isinstance(k, str) for k in meta):
         raise InvalidInput("metadata keys must be strings")
     try:
-        return json.loads(json.dumps(dict(meta), allow_nan=False, ensure_ascii=False))
+        encoded = json.dumps(dict(meta), allow_nan=False, ensure_ascii=False)
+        encoded.encode("utf-8")  # lone surrogates pass json.dumps but not the database
+        return json.loads(encoded)
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"metadata must be JSON-serialisable: {exc}") from exc
 
@@ -539,7 +569,13 @@ def _time(value: Any, name: str) -> datetime | None:
             raise InvalidInput(f"{name} must be a datetime or ISO-8601 string") from None
     if not isinstance(value, datetime):
         raise InvalidInput(f"{name} must be a datetime or ISO-8601 string")
-    return as_utc(value)
+    try:
+        value = as_utc(value)
+        # Stores keep times as epoch seconds: refuse what cannot be read back as a datetime.
+        datetime.fromtimestamp(value.timestamp(), UTC)
+    except (OverflowError, ValueError, OSError):
+        raise InvalidInput(f"{name} {value!r} is outside the supported range of times") from None
+    return value
 
 
 def _importance(value: Any) -> float:

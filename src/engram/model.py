@@ -6,6 +6,7 @@ All times are timezone-aware UTC datetimes; naive datetimes given by callers are
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -146,11 +147,27 @@ def as_utc(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+_id_lock = threading.Lock()
+_id_last = [0, 0]  # (unix ms, 74-bit counter) of the last id made in this process
+
+
 def new_id() -> str:
-    """A time-ordered UUID (v7 layout): ids sort by creation, which makes cursors trivial."""
-    ms = time.time_ns() // 1_000_000
-    raw = bytearray(ms.to_bytes(6, "big") + os.urandom(10))
-    raw[6] = (raw[6] & 0x0F) | 0x70
-    raw[8] = (raw[8] & 0x3F) | 0x80
-    h = raw.hex()
+    """A time-ordered UUID (v7 layout): ids sort by creation, which makes cursors trivial.
+
+    Within one millisecond the 74 random bits are incremented rather than redrawn (RFC 9562
+    "monotonic random"), so ids made by one process sort in the order they were made.
+    """
+    with _id_lock:
+        ms = time.time_ns() // 1_000_000
+        last_ms, last_tail = _id_last
+        if ms <= last_ms:
+            ms, tail = last_ms, last_tail + 1 + (int.from_bytes(os.urandom(2), "big") & 0xFF)
+            if tail >= 1 << 74:  # counter exhausted: borrow the next millisecond
+                ms, tail = ms + 1, int.from_bytes(os.urandom(10), "big") >> 7
+        else:
+            tail = int.from_bytes(os.urandom(10), "big") >> 7  # top bit clear: room to count
+        _id_last[:] = [ms, tail]
+    rand_a, rand_b = tail >> 62, tail & ((1 << 62) - 1)
+    value = (ms << 80) | (0x7 << 76) | (rand_a << 64) | (0b10 << 62) | rand_b
+    h = f"{value:032x}"
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

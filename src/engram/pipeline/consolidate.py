@@ -3,8 +3,9 @@
 An episode (something said at a time) is never merged: the same sentence said twice is two
 episodes. A semantic or procedural memory that repeats an existing one of the same scope and
 kind adds nothing (exact match on normalised text) or is merged into it (near-duplicate:
-cosine >= threshold *and* word overlap >= min_overlap, so that "likes tea" / "likes coffee",
-close in embedding space, stay two facts).
+cosine >= threshold *and* word overlap >= min_overlap *and* one text's content words contain
+the other's). So "likes tea" / "likes coffee" or "room 101" / "room 102", close in embedding
+space, stay two facts: a swapped word may be a correction, and merging would lose one side.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from datetime import datetime
 from typing import Literal
 
 from ..model import Kind, MemoryRecord
-from .text import overlap
+from .text import overlap, terms
 
 
 @dataclass(frozen=True)
@@ -39,19 +40,26 @@ def decide(candidate: MemoryRecord, neighbours: Sequence[tuple[MemoryRecord, flo
             return Decision("NOOP", existing, 1.0, "exact duplicate")
         if sim >= threshold and (best is None or sim > best.similarity):
             ov = overlap(candidate.text, existing.text)
-            if ov >= min_overlap:
+            if ov >= min_overlap and _one_contains_the_other(candidate.text, existing.text):
                 best = Decision("MERGE", existing, sim,
                                 f"near-duplicate: cosine {sim:.3f}, word overlap {ov:.2f}")
     return best or Decision("ADD", reason="new")
+
+
+def _one_contains_the_other(a: str, b: str) -> bool:
+    wa, wb = set(terms(a)), set(terms(b))
+    return wa <= wb or wb <= wa
 
 
 def merge(existing: MemoryRecord, new: MemoryRecord, now: datetime) -> MemoryRecord:
     """One memory holding both: the more informative text, both provenances, the max importance.
 
     The longer text wins (it usually says more); metadata of the newer overrides on conflict.
+    Provenance lists the sources of both: their episode ids, or their own ids when they have none.
     """
     text = new.text if len(new.text) > len(existing.text) else existing.text
-    provenance = tuple(dict.fromkeys((*existing.provenance, *new.provenance, new.id)))
+    provenance = tuple(dict.fromkeys((*(existing.provenance or (existing.id,)),
+                                      *new.provenance, new.id)))
     observed = [t for t in (existing.observed_at, new.observed_at) if t is not None]
     return replace(
         existing,

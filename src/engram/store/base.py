@@ -39,12 +39,20 @@ class Query:
 class Key:
     """One retrieval key of a memory: a vector the dense search matches against.
 
-    A memory has a `text` key and may have more (e.g. `context`: the turn with the turn before
-    it), so one memory can be found through several phrasings; its dense score is the best.
+    Every memory has a `text` key; an episode also has a `window` key (the turn with the two
+    before it in its session), so a turn can be found by what was being talked about.
     """
 
     kind: str
     vector: np.ndarray
+
+
+@dataclass(frozen=True)
+class Lexical:
+    """What the lexical index holds for a memory: its text and (weighted lower) its context."""
+
+    body: str
+    context: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,10 +73,10 @@ class Stats:
 class Tx(Protocol):
     """Write operations available inside `Store.write()`. Reads on the store see them."""
 
-    def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: str) -> None: ...
+    def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: Lexical) -> None: ...
 
     def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
-               lexical: str | None = None) -> None:
+               lexical: Lexical | None = None) -> None:
         """Replace the stored record (same id); replace keys / lexical text when given."""
 
     def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
@@ -95,21 +103,21 @@ class Store(Protocol):
     def ids(self, scope: Scope, *, include_deleted: bool = False) -> list[str]:
         """Every memory id in a scope (for erase and export)."""
 
-    def dense(self, query: Query, vector: np.ndarray, k: int) -> list[tuple[str, float]]:
-        """Visible memories by best cosine over their keys, highest first."""
+    def dense(self, query: Query, vector: np.ndarray, k: int,
+              key: str = "text") -> list[tuple[str, float]]:
+        """Visible memories by cosine of their `key` vector, highest first."""
 
-    def lexical(self, query: Query, terms: Sequence[str], k: int) -> list[tuple[str, float]]:
-        """Visible memories matching any of `terms` by BM25 (higher is better)."""
+    def lexical(self, query: Query, terms: Sequence[str], k: int,
+                context_weight: float = 0.5) -> list[tuple[str, float]]:
+        """Visible memories matching any of `terms` by BM25 (higher is better), the context
+        column weighted by `context_weight` against the body."""
 
     def find_hash(self, scope: Scope, kind: Kind, content_hash: str,
                   now: datetime) -> MemoryRecord | None:
         """A visible, current memory of exactly this scope and kind with this content hash."""
 
-    def last_episode(self, scope: Scope) -> MemoryRecord | None:
-        """The most recently observed visible episode of exactly this scope."""
-
-    def neighbors(self, ids: Sequence[str]) -> dict[str, list[str]]:
-        """For episodes: ids of the episodes just before and after each, in the same session."""
+    def recent_episodes(self, scope: Scope, n: int) -> list[MemoryRecord]:
+        """The `n` most recently observed visible episodes of exactly this scope, newest first."""
 
     def eviction_pool(self, scope: Scope, now: datetime) -> list[MemoryRecord]:
         """Visible memories of exactly this scope, for capacity eviction."""

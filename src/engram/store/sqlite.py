@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import StoreBusy, StoreError
 from ..filters import Condition
 from ..model import Event, EventType, Kind, MemoryRecord, Scope
-from .base import Key, Query, Stats
+from .base import Key, Lexical, Query, Stats
 
 log = logging.getLogger("engram.store")
 
@@ -58,7 +58,7 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             kind TEXT NOT NULL,
             vector BLOB NOT NULL)""",
         "CREATE INDEX memory_keys_memory ON memory_keys(memory_id)",
-        "CREATE VIRTUAL TABLE memory_fts USING fts5(body, tokenize='porter unicode61 remove_diacritics 2')",
+        "CREATE VIRTUAL TABLE memory_fts USING fts5(body, context, tokenize='porter unicode61 remove_diacritics 2')",
         """CREATE TABLE events (
             rid INTEGER PRIMARY KEY,
             id TEXT NOT NULL UNIQUE,
@@ -275,7 +275,7 @@ class SQLiteStore:
                     raise StoreBusy(f"{self.path} stayed locked for {self.busy_timeout_s}s") from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 0.25)
-        tx = _SQLiteTx(conn)
+        tx = _SQLiteTx(conn, self._local)
         try:
             yield tx
             if tx.keys_changed:
@@ -286,6 +286,8 @@ class SQLiteStore:
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"write failed and was rolled back: {exc}") from exc
             raise
+        finally:
+            self._local.dirty = False
 
     def _migrate(self) -> None:
         with self.write() as tx:
@@ -344,9 +346,9 @@ class SQLiteStore:
             out.update(r[0] for r in rows)
         return out
 
-    def _slab(self, scope: Scope, dim: int) -> _Slab:
+    def _slab(self, scope: Scope, key_kind: str, dim: int) -> _Slab:
         version = self._read("SELECT value FROM meta WHERE name = 'keys_version'")[0][0]
-        key = (scope.user_id, scope.agent_id, scope.session_id)
+        key = (scope.user_id, scope.agent_id, scope.session_id, key_kind)
         with self._slabs_lock:
             slab = self._slabs.get(key)
             if slab is None or slab.mat.shape[1] != dim:
@@ -355,22 +357,25 @@ class SQLiteStore:
             self._slabs.move_to_end(key)
             while len(self._slabs) > self.MAX_SLABS:
                 self._slabs.popitem(last=False)
-            if slab.version != version:
+            # Inside a write that already changed keys, this connection sees rows that may yet
+            # roll back: use the cache as it is (committed state) rather than load them.
+            if slab.version != version and not getattr(self._local, "dirty", False):
                 s_sql, s_params = _scope_sql(scope)
-                where = " AND ".join(["k.seq > ?", "m.deleted_at IS NULL", *s_sql])
+                where = " AND ".join(["k.seq > ?", "k.kind = ?", "m.deleted_at IS NULL", *s_sql])
                 rows = self._read(
                     "SELECT k.seq, k.memory_id, k.vector FROM memory_keys k "
                     f"JOIN memories m ON m.id = k.memory_id WHERE {where} ORDER BY k.seq",
-                    [slab.max_seq, *s_params])
+                    [slab.max_seq, key_kind, *s_params])
                 if rows:
                     vecs = np.frombuffer(b"".join(r[2] for r in rows), dtype=np.float32)
                     slab.append([r[0] for r in rows], [r[1] for r in rows], vecs.reshape(len(rows), dim))
                 slab.version = version
             return slab
 
-    def dense(self, query: Query, vector: np.ndarray, k: int) -> list[tuple[str, float]]:
+    def dense(self, query: Query, vector: np.ndarray, k: int,
+              key: str = "text") -> list[tuple[str, float]]:
         vector = np.asarray(vector, dtype=np.float32)
-        slab = self._slab(query.scope, vector.shape[0])
+        slab = self._slab(query.scope, key, vector.shape[0])
         with self._slabs_lock:
             n = slab.n
             sims = slab.mat[:n] @ vector
@@ -404,15 +409,16 @@ class SQLiteStore:
             out.update(r[0] for r in rows)
         return out
 
-    def lexical(self, query: Query, terms: Sequence[str], k: int) -> list[tuple[str, float]]:
+    def lexical(self, query: Query, terms: Sequence[str], k: int,
+                context_weight: float = 0.5) -> list[tuple[str, float]]:
         if not terms:
             return []
         match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
         where, params = compile_query(query)
         rows = self._read(
-            "SELECT m.id, -bm25(memory_fts) AS s FROM memory_fts "
+            "SELECT m.id, -bm25(memory_fts, 1.0, ?) AS s FROM memory_fts "
             f"JOIN memories m ON m.rid = memory_fts.rowid WHERE memory_fts MATCH ? AND {where} "
-            "ORDER BY s DESC LIMIT ?", [match, *params, k])
+            "ORDER BY s DESC LIMIT ?", [context_weight, match, *params, k])
         return [(r[0], float(r[1])) for r in rows]
 
     def find_hash(self, scope: Scope, kind: Kind, content_hash: str,
@@ -425,34 +431,12 @@ class SQLiteStore:
             f"AND {' AND '.join(s_sql)} LIMIT 1", [content_hash, kind.value, t, t, *s_params])
         return _row_to_record(rows[0]) if rows else None
 
-    def last_episode(self, scope: Scope) -> MemoryRecord | None:
+    def recent_episodes(self, scope: Scope, n: int) -> list[MemoryRecord]:
         s_sql, s_params = _scope_sql(scope, exact=True)
         rows = self._read(
             f"{_SELECT} WHERE m.kind = 'episodic' AND m.deleted_at IS NULL AND {' AND '.join(s_sql)} "
-            "ORDER BY m.valid_from DESC, m.rid DESC LIMIT 1", s_params)
-        return _row_to_record(rows[0]) if rows else None
-
-    def neighbors(self, ids: Sequence[str]) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for mid in ids:
-            rows = self._read(
-                "SELECT m.session_id, m.user_id, m.agent_id, m.valid_from, m.rid FROM memories m "
-                "WHERE m.id = ? AND m.kind = 'episodic' AND m.session_id IS NOT NULL", [mid])
-            if not rows:
-                continue
-            sid, uid, aid, vf, rid = rows[0]
-            same = ("m.session_id = ? AND m.user_id IS ? AND m.agent_id IS ? AND m.kind = 'episodic' "
-                    "AND m.deleted_at IS NULL")
-            prev = self._read(
-                f"SELECT m.id FROM memories m WHERE {same} AND (m.valid_from < ? OR "
-                "(m.valid_from = ? AND m.rid < ?)) ORDER BY m.valid_from DESC, m.rid DESC LIMIT 1",
-                [sid, uid, aid, vf, vf, rid])
-            nxt = self._read(
-                f"SELECT m.id FROM memories m WHERE {same} AND (m.valid_from > ? OR "
-                "(m.valid_from = ? AND m.rid > ?)) ORDER BY m.valid_from, m.rid LIMIT 1",
-                [sid, uid, aid, vf, vf, rid])
-            out[mid] = [r[0] for r in prev + nxt]
-        return out
+            "ORDER BY m.valid_from DESC, m.rid DESC LIMIT ?", [*s_params, n])
+        return [_row_to_record(r) for r in rows]
 
     def eviction_pool(self, scope: Scope, now: datetime) -> list[MemoryRecord]:
         s_sql, s_params = _scope_sql(scope, exact=True)
@@ -526,15 +510,17 @@ class SQLiteStore:
 
 
 class _SQLiteTx:
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: sqlite3.Connection, local: threading.local) -> None:
         self.conn = conn
+        self.local = local
         self.keys_changed = False
 
-    def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: str) -> None:
+    def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: Lexical) -> None:
         cur = self.conn.execute(
             f"INSERT INTO memories ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
             _record_values(record))
-        self.conn.execute("INSERT INTO memory_fts(rowid, body) VALUES (?, ?)", (cur.lastrowid, lexical))
+        self.conn.execute("INSERT INTO memory_fts(rowid, body, context) VALUES (?, ?, ?)",
+                          (cur.lastrowid, lexical.body, lexical.context))
         self._put_keys(record.id, keys)
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
@@ -542,9 +528,10 @@ class _SQLiteTx:
             "INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
             [(memory_id, k.kind, np.asarray(k.vector, dtype=np.float32).tobytes()) for k in keys])
         self.keys_changed = True
+        self.local.dirty = True
 
     def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
-               lexical: str | None = None) -> None:
+               lexical: Lexical | None = None) -> None:
         sets = ", ".join(f"{c} = ?" for c in _COLUMNS[1:])
         self.conn.execute(f"UPDATE memories SET {sets} WHERE id = ?",
                           [*_record_values(record)[1:], record.id])
@@ -554,7 +541,8 @@ class _SQLiteTx:
         if lexical is not None:
             (rid,), = self.conn.execute("SELECT rid FROM memories WHERE id = ?", (record.id,))
             self.conn.execute("DELETE FROM memory_fts WHERE rowid = ?", (rid,))
-            self.conn.execute("INSERT INTO memory_fts(rowid, body) VALUES (?, ?)", (rid, lexical))
+            self.conn.execute("INSERT INTO memory_fts(rowid, body, context) VALUES (?, ?, ?)",
+                              (rid, lexical.body, lexical.context))
 
     def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
         for chunk in _chunks(list(ids), 500):
@@ -569,6 +557,7 @@ class _SQLiteTx:
         self.conn.execute(f"DELETE FROM memory_fts WHERE rowid IN "
                           f"(SELECT rid FROM memories WHERE id IN ({marks}))", list(ids))
         self.keys_changed = True
+        self.local.dirty = True
 
     def erase(self, ids: Sequence[str]) -> None:
         for chunk in _chunks(list(ids), 500):

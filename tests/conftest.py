@@ -1,0 +1,80 @@
+"""Shared fixtures: one real MiniLM embedder per session, real SQLite files per test.
+
+Storage backends are listed in `STORES` (name -> factory); the conformance suite runs once per
+entry. A factory called twice with the same directory must open the same database.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Callable, Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from engram import Memory  # noqa: E402
+from engram.providers.embedders import MiniLM  # noqa: E402
+from engram.store import SQLiteStore, Store  # noqa: E402
+
+StoreFactory = Callable[[Path], Store]
+
+STORES: dict[str, StoreFactory] = {
+    "sqlite": lambda directory: SQLiteStore(directory / "store.db"),
+    # "postgres": lambda directory: PostgresStore(<a fresh database per test>),
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests never read the developer's ENGRAM_* settings."""
+    for name in list(os.environ):
+        if name.startswith("ENGRAM_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session")
+def embedder() -> MiniLM:
+    """The real local model, loaded once: loading takes seconds, embedding milliseconds."""
+    model = MiniLM()
+    model.embed_batch(["warm up"])
+    return model
+
+
+@pytest.fixture
+def mem(tmp_path: Path, embedder: MiniLM) -> Iterator[Memory]:
+    m = Memory(tmp_path / "m.db", embedder=embedder)
+    yield m
+    m.close()
+
+
+@pytest.fixture(params=sorted(STORES))
+def store_factory(request: pytest.FixtureRequest) -> StoreFactory:
+    return STORES[request.param]
+
+
+@pytest.fixture
+def store(store_factory: StoreFactory, tmp_path: Path) -> Iterator[Store]:
+    s = store_factory(tmp_path)
+    yield s
+    s.close()
+
+
+def _rows(path: Path) -> dict[str, Any]:
+    with closing(sqlite3.connect(path)) as conn:
+        return {
+            table: conn.execute(f"SELECT * FROM {table} ORDER BY 1").fetchall()
+            for table in ("memories", "memory_keys", "events", "memory_fts", "meta")
+        }
+
+
+@pytest.fixture
+def snapshot() -> Callable[[Path], dict[str, Any]]:
+    """Every row engram keeps in a SQLite file, for "the database is unchanged" checks."""
+    return _rows
