@@ -31,17 +31,26 @@ STORES: dict[str, StoreFactory] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tests never read the developer's ENGRAM_* settings."""
-    for name in list(os.environ):
-        if name.startswith("ENGRAM_"):
-            monkeypatch.delenv(name)
+@pytest.fixture(scope="session", autouse=True)
+def _clean_env() -> Iterator[None]:
+    """Tests never read the developer's ENGRAM_* settings (session-wide, so that module-scoped
+    fixtures are built without them too)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in list(os.environ):
+            if name.startswith("ENGRAM_"):
+                mp.delenv(name)
+        yield
 
 
 @pytest.fixture(scope="session")
 def embedder() -> MiniLM:
     """The real local model, loaded once: loading takes seconds, embedding milliseconds."""
+    import torch
+
+    # Tests embed a few short texts at a time. With torch's default of one thread per core,
+    # any other busy process on the machine makes each call ~30x slower (threads wait on
+    # each other); one thread keeps the suite's time steady.
+    torch.set_num_threads(1)
     model = MiniLM()
     model.embed_batch(["warm up"])
     return model

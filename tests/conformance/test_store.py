@@ -709,3 +709,30 @@ def test_store_state_machine(store_factory: Callable[[Path], Store]) -> None:
     run_state_machine_as_test(machine, settings=settings(
         max_examples=25, stateful_step_count=25, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
+
+
+def test_sqlite_upgrades_a_database_made_by_an_older_version(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engram.store import sqlite
+
+    path = tmp_path / "old.db"
+    with monkeypatch.context() as m:
+        m.setattr(sqlite, "MIGRATIONS", sqlite.MIGRATIONS[:1])
+        old = sqlite.SQLiteStore(path)
+        a, b = rec("apple"), rec("river")
+        put(old, a, b, vectors=[vec(1, 0), vec(0, 1)])
+        assert old.migrations() == [sqlite.MIGRATIONS[0][0]]
+        old.close()
+    new = sqlite.SQLiteStore(path)
+    try:
+        assert new.migrations() == [name for name, _ in sqlite.MIGRATIONS]
+        assert new.get([a.id, b.id]) == {a.id: a, b.id: b}
+        assert dict(new.dense(q(), vec(1, 0), 2)) == {a.id: pytest.approx(1.0, abs=1e-5),
+                                                      b.id: pytest.approx(0.0, abs=1e-5)}
+        assert [m for m, _ in new.lexical(q(), ["river"], 5)] == [b.id]
+        for _ in range(2):  # the newest key replaced twice: no seq is handed out again
+            with new.write() as tx:
+                tx.update(b, [Key("text", vec(1, 1))], None)
+            assert dict(new.dense(q(), vec(1, 1), 2))[b.id] == pytest.approx(1.0, abs=1e-5)
+    finally:
+        new.close()

@@ -52,8 +52,10 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
         "CREATE INDEX memories_agent ON memories(agent_id)",
         "CREATE INDEX memories_session ON memories(session_id, valid_from)",
         "CREATE INDEX memories_hash ON memories(content_hash)",
+        # AUTOINCREMENT: a key seq is never reused, because the dense cache loads only seqs
+        # above the highest it has seen (a reused seq would keep its old cached vector).
         """CREATE TABLE memory_keys (
-            seq INTEGER PRIMARY KEY,
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
             memory_id TEXT NOT NULL REFERENCES memories(id) ON DELETE CASCADE,
             kind TEXT NOT NULL,
             vector BLOB NOT NULL)""",
