@@ -57,8 +57,8 @@ def turn_text(turn: dict) -> str:
 def ingest(mem: Memory, conv: dict) -> int:
     c = conv["conversation"]
     n = 0
-    sessions = sorted((int(k.split("_")[1]) for k in c
-                       if re.fullmatch(r"session_\d+", k)))
+    sessions = sorted(int(k.split("_")[1]) for k in c
+                       if re.fullmatch(r"session_\d+", k))
     for s in sessions:
         when = session_time(c[f"session_{s}_date_time"])
         messages = [{"role": "user", "name": t["speaker"], "content": turn_text(t),

@@ -50,6 +50,10 @@ class _Unset:
         return "UNSET"
 
 
+# Aliases: inside the classes below, `list` names the method.
+Hits = list[Hit]
+Events = list[Event]
+
 UNSET: Any = _Unset()  # "not given", as opposed to an explicit None
 MAX_ID_CHARS = 256
 MAX_LIMIT = 1000
@@ -242,7 +246,7 @@ class Memory:
         records = self.store.get([mid for mid, _ in found])
         return [(records[mid], sim) for mid, sim in found if records[mid].scope == rec.scope]
 
-    def _evict(self, tx: Any, scope: Scope, now: datetime) -> list[Event]:
+    def _evict(self, tx: Any, scope: Scope, now: datetime) -> Events:
         cap = self.config.max_memories_per_scope
         if cap is None:
             return []
@@ -359,7 +363,7 @@ class Memory:
     def search(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                session_id: str | None = None, filters: Mapping[str, Any] | None = None,
                limit: int = 10, kinds: Iterable[str | Kind] | None = None,
-               as_of: datetime | None = None) -> list[Hit]:
+               as_of: datetime | None = None) -> Hits:
         """Hybrid search: dense + lexical candidates, fused, adjusted; each hit explains itself."""
         text = self._text(query)
         q = self._query(user_id, agent_id, session_id, filters, kinds, as_of)
@@ -384,7 +388,7 @@ class Memory:
                 log.debug("search %r -> %s %.3f %s", text[:80], h.memory.id, h.score, h.explain)
         return hits
 
-    def history(self, id: str) -> list[Event]:
+    def history(self, id: str) -> Events:
         """Every event of a memory, oldest first (also for deleted and erased ids)."""
         _id(id)
         events = self.store.events(id)
@@ -466,7 +470,7 @@ class AsyncMemory:
     async def add(self, messages: Any, **kwargs: Any) -> AddResult:
         return await self._run(self.sync.add, messages, **kwargs)
 
-    async def search(self, query: str, **kwargs: Any) -> list[Hit]:
+    async def search(self, query: str, **kwargs: Any) -> Hits:
         return await self._run(self.sync.search, query, **kwargs)
 
     async def get(self, id: str) -> MemoryRecord:
@@ -484,7 +488,7 @@ class AsyncMemory:
     async def erase(self, **kwargs: Any) -> int:
         return await self._run(self.sync.erase, **kwargs)
 
-    async def history(self, id: str) -> list[Event]:
+    async def history(self, id: str) -> Events:
         return await self._run(self.sync.history, id)
 
     async def stats(self, **kwargs: Any) -> Stats:

@@ -12,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Literal, TypeVar
 
 from ..errors import InvalidInput
 from ..model import Hit, MemoryRecord, Scope
@@ -65,7 +65,10 @@ def get_preset(name: str) -> RetrievalConfig:
         raise InvalidInput(f"unknown retrieval preset {name!r}; presets: {sorted(PRESETS)}") from None
 
 
-def _minmax(scores: Mapping[str, float], floor: float | None = None) -> dict[str, float]:
+K = TypeVar("K")
+
+
+def _minmax(scores: Mapping[K, float], floor: float | None = None) -> dict[K, float]:
     if not scores:
         return {}
     lo = min(scores.values()) if floor is None else floor

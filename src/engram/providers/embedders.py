@@ -11,7 +11,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -36,10 +36,10 @@ class MiniLM:
 
     def __init__(self, batch_size: int = 64) -> None:
         self.batch_size = batch_size
-        self._model = None
+        self._model: Any = None
         self._lock = threading.Lock()
 
-    def _load(self):  # type: ignore[no-untyped-def]
+    def _load(self) -> Any:
         if self._model is None:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -60,7 +60,8 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             kind TEXT NOT NULL,
             vector BLOB NOT NULL)""",
         "CREATE INDEX memory_keys_memory ON memory_keys(memory_id)",
-        "CREATE VIRTUAL TABLE memory_fts USING fts5(body, context, tokenize='porter unicode61 remove_diacritics 2')",
+        "CREATE VIRTUAL TABLE memory_fts USING fts5(body, context, "
+        "tokenize='porter unicode61 remove_diacritics 2')",
         """CREATE TABLE events (
             rid INTEGER PRIMARY KEY,
             id TEXT NOT NULL UNIQUE,
@@ -76,9 +77,11 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
     ]),
 ]
 
-_COLUMNS = ("id user_id agent_id session_id kind text metadata importance role name created_at "
-            "updated_at observed_at valid_from valid_to superseded_by provenance access_count "
-            "last_accessed_at expires_at content_hash deleted_at").split()
+_COLUMNS = (
+    "id", "user_id", "agent_id", "session_id", "kind", "text", "metadata", "importance", "role",
+    "name", "created_at", "updated_at", "observed_at", "valid_from", "valid_to", "superseded_by",
+    "provenance", "access_count", "last_accessed_at", "expires_at", "content_hash", "deleted_at",
+)
 _SELECT = "SELECT " + ", ".join(f"m.{c}" for c in _COLUMNS) + " FROM memories m"
 _RECORD_COLUMNS = {"created_at", "updated_at", "observed_at", "valid_from", "valid_to",
                    "expires_at", "last_accessed_at", "importance", "access_count", "role",
@@ -140,7 +143,7 @@ def _scope_sql(scope: Scope, exact: bool = False) -> tuple[list[str], list[Any]]
 
 
 def _condition_sql(c: Condition) -> tuple[str, list[Any]]:
-    target = f"json_extract(m.metadata, ?)" if c.metadata else f"m.{c.field}"
+    target = "json_extract(m.metadata, ?)" if c.metadata else f"m.{c.field}"
     tparams: list[Any] = [f'$."{c.field}"'] if c.metadata else []
     if c.field in _RECORD_COLUMNS and not c.metadata:
         assert c.field in _RECORD_COLUMNS  # column names come from a closed set
@@ -407,7 +410,8 @@ class SQLiteStore:
     def _alive_seqs(self, seqs: list[int]) -> set[int]:
         out: set[int] = set()
         for chunk in _chunks(seqs, 500):
-            rows = self._read(f"SELECT seq FROM memory_keys WHERE seq IN ({', '.join('?' * len(chunk))})", chunk)
+            marks = ", ".join("?" * len(chunk))
+            rows = self._read(f"SELECT seq FROM memory_keys WHERE seq IN ({marks})", chunk)
             out.update(r[0] for r in rows)
         return out
 
