@@ -370,6 +370,8 @@ class Memory:
         limit = _limit(limit)
         cfg = self.retrieval
         n = max(cfg.candidates, limit)
+        # Candidates per retriever, then fused and ranked on light rows; full records only for
+        # the hits returned.
         ranked: dict[str, list[tuple[str, float]]] = {}
         if cfg.dense_weight or cfg.window_weight:
             vector = self.embedder.embed_batch([text])[0]
@@ -381,7 +383,9 @@ class Memory:
             ranked["lexical"] = self.store.lexical(q, terms(text), n, cfg.context_weight)
         fused = fuse(ranked, {"dense": cfg.dense_weight, "window": cfg.window_weight,
                               "lexical": cfg.lexical_weight}, cfg)
-        hits = rank(fused, self.store.get(list(fused)), text, cfg, q.as_of or q.now)[:limit]
+        best = rank(fused, self.store.candidates(list(fused)), text, cfg, q.as_of or q.now)[:limit]
+        records = self.store.get([mid for mid, _, _ in best])
+        hits = [Hit(records[mid], score, explain) for mid, score, explain in best]
         self.store.touch([h.memory.id for h in hits], q.now)
         if log.isEnabledFor(logging.DEBUG):
             for h in hits:

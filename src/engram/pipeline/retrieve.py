@@ -15,7 +15,8 @@ from datetime import datetime
 from typing import Literal, TypeVar
 
 from ..errors import InvalidInput
-from ..model import Hit, MemoryRecord, Scope
+from ..model import Scope
+from ..store.base import Candidate
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ PRESETS: dict[str, RetrievalConfig] = {
     p.name: p
     for p in (
         # The default, tuned on the LoCoMo dev split (see bench/locomo.py and README).
-        RetrievalConfig("hybrid", window_weight=0.3, speaker_boost=0.2, when_boost=0.15,
+        RetrievalConfig("hybrid", candidates=1000, window_weight=0.3, speaker_boost=0.2, when_boost=0.15,
                         session_weight=0.3, recency_weight=0.01, importance_weight=0.01),
         # Plain baselines, for comparison.
         RetrievalConfig("rrf", fusion="rrf", context_weight=0.0),
@@ -125,17 +126,19 @@ def named_speakers(query: str, names: set[str]) -> set[str]:
             if n.split() and re.search(rf"\b{re.escape(n.split()[0])}\b", query, re.IGNORECASE)}
 
 
-def decay(record: MemoryRecord, now: datetime, half_life_days: float) -> float:
+def decay(when: datetime, now: datetime, half_life_days: float) -> float:
     """Time decay in ranking: 1 for a memory of today, 0.5 one half-life ago (world time)."""
-    when = record.observed_at or record.created_at
     days = max(0.0, (now - when).total_seconds() / 86400)
     return float(0.5 ** (days / half_life_days))
 
 
-def rank(fused: Mapping[str, dict[str, float]], records: Mapping[str, MemoryRecord], query: str,
-         cfg: RetrievalConfig, now: datetime) -> list[Hit]:
+Ranked = tuple[str, float, dict[str, float]]  # memory id, score, explanation
+
+
+def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candidate], query: str,
+         cfg: RetrievalConfig, now: datetime) -> list[Ranked]:
     """Final scores: fused score plus the adjustments the preset turns on, best first."""
-    recs = {mid: records[mid] for mid in fused if mid in records}
+    recs = {mid: candidates[mid] for mid in fused if mid in candidates}
     explain = {mid: dict(fused[mid]) for mid in recs}
     score = {mid: fused[mid]["fused"] for mid in recs}
 
@@ -144,16 +147,20 @@ def rank(fused: Mapping[str, dict[str, float]], records: Mapping[str, MemoryReco
             explain[mid][label] = value
             score[mid] += value
 
-    # A question naming exactly one speaker is about what that speaker said.
+    # A question naming exactly one speaker is about what that speaker said (or, for a fact
+    # with no speaker, about what the fact says of them).
     named = named_speakers(query, {r.name for r in recs.values() if r.name})
+    first = next(iter(named)).split()[0] if len(named) == 1 else None
     when = asks_when(query)
     for mid, rec in recs.items():
-        if cfg.speaker_boost and len(named) == 1 and rec.name in named:
+        if cfg.speaker_boost and first and (
+                rec.name in named or (rec.name is None and _names(first, rec.text))):
             add(mid, "speaker", cfg.speaker_boost)
         if cfg.when_boost and when and mentions_time(rec.text):
             add(mid, "when", cfg.when_boost)
         if cfg.recency_weight:
-            add(mid, "recency", cfg.recency_weight * decay(rec, now, cfg.half_life_days))
+            add(mid, "recency", cfg.recency_weight * decay(rec.observed_at or rec.created_at,
+                                                           now, cfg.half_life_days))
         if cfg.importance_weight:
             add(mid, "importance", cfg.importance_weight * rec.importance)
 
@@ -168,6 +175,10 @@ def rank(fused: Mapping[str, dict[str, float]], records: Mapping[str, MemoryReco
             if rec.scope in norm:
                 add(mid, "session", cfg.session_weight * norm[rec.scope])
 
-    hits = [Hit(recs[mid], score[mid], {**explain[mid], "score": score[mid]}) for mid in recs]
-    hits.sort(key=lambda h: (-h.score, h.memory.id))
-    return hits
+    out = [(mid, score[mid], {**explain[mid], "score": score[mid]}) for mid in recs]
+    out.sort(key=lambda r: (-r[1], r[0]))
+    return out
+
+
+def _names(first_name: str, text: str) -> bool:
+    return bool(re.search(rf"\b{re.escape(first_name)}\b", text, re.IGNORECASE))

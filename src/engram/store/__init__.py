@@ -1,6 +1,6 @@
 """Storage backends behind one `Store` contract."""
 
-from .base import Key, Lexical, Query, Stats, Store, Tx
+from .base import Candidate, Key, Lexical, Query, Stats, Store, Tx
 from .sqlite import SQLiteStore
 
-__all__ = ["Key", "Lexical", "Query", "SQLiteStore", "Stats", "Store", "Tx"]
+__all__ = ["Candidate", "Key", "Lexical", "Query", "SQLiteStore", "Stats", "Store", "Tx"]

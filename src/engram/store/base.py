@@ -47,6 +47,19 @@ class Key:
     vector: np.ndarray
 
 
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """The few fields ranking needs, read for hundreds of candidates per search."""
+
+    id: str
+    scope: Scope
+    name: str | None
+    text: str
+    observed_at: datetime | None
+    created_at: datetime
+    importance: float
+
+
 @dataclass(frozen=True)
 class Lexical:
     """What the lexical index holds for a memory: its text and (weighted lower) its context."""
@@ -95,6 +108,9 @@ class Store(Protocol):
 
     def get(self, ids: Sequence[str]) -> dict[str, MemoryRecord]:
         """Stored records by id, whatever their state (deleted, expired, superseded)."""
+
+    def candidates(self, ids: Sequence[str]) -> dict[str, Candidate]:
+        """The ranking fields of stored records by id."""
 
     def select(self, query: Query, *, after_id: str | None = None,
                limit: int = 50) -> list[MemoryRecord]:

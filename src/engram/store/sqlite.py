@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import StoreBusy, StoreError
 from ..filters import Condition
 from ..model import Event, EventType, Kind, MemoryRecord, Scope
-from .base import Key, Lexical, Query, Stats
+from .base import Candidate, Key, Lexical, Query, Stats
 
 log = logging.getLogger("engram.store")
 
@@ -324,6 +324,17 @@ class SQLiteStore:
         for chunk in _chunks(list(ids), 500):
             rows = self._read(f"{_SELECT} WHERE m.id IN ({', '.join('?' * len(chunk))})", chunk)
             out.update((r[0], _row_to_record(r)) for r in rows)
+        return out
+
+    def candidates(self, ids: Sequence[str]) -> dict[str, Candidate]:
+        out: dict[str, Candidate] = {}
+        for chunk in _chunks(list(ids), 900):
+            rows = self._read(
+                "SELECT id, user_id, agent_id, session_id, name, text, observed_at, created_at, "
+                f"importance FROM memories WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
+            for mid, uid, aid, sid, name, text, obs, created, imp in rows:
+                out[mid] = Candidate(mid, Scope(uid, aid, sid), name, text, _dt(obs),
+                                     _dt(created), imp)  # type: ignore[arg-type]
         return out
 
     def select(self, query: Query, *, after_id: str | None = None,
