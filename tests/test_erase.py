@@ -104,10 +104,6 @@ def test_erase_one_memory_by_id(tmp_path: Path, embedder) -> None:
             mem.erase(id=target.id)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "erase(id=) leaves the erased turn in the next turn's lexical `context` column and in the "
-    "`window` vectors of the next two turns; re-indexing them needs a store read of the "
-    "episodes around a given one, which the Store contract does not have yet"))
 def test_erase_one_episode_leaves_no_trace_in_the_turns_after_it(tmp_path: Path,
                                                                   embedder) -> None:
     """A turn is indexed with the turns before it; erasing it must clean those copies too."""

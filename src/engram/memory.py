@@ -236,6 +236,19 @@ class Memory:
             out[mid][0].append(Key(label, vec))
         return out
 
+    def _reindex_followers(self, rec: MemoryRecord, replacement: MemoryRecord | None,
+                           ) -> list[tuple[MemoryRecord, tuple[list[Key], Lexical]]]:
+        """The episodes whose index holds `rec` as context, re-indexed without it (or with
+        `replacement`): so a deleted, erased or edited turn leaves no trace in its neighbours."""
+        if rec.kind is not Kind.EPISODIC:
+            return []
+        before, after = self.store.episodes_around(rec.id, WINDOW - 1)
+        if not after:
+            return []
+        history = {rec.scope: [*before, *([replacement] if replacement else [])]}
+        index = self._index(after, history)
+        return [(r, index[r.id]) for r in after]
+
     def _neighbours(self, rec: MemoryRecord, vec: np.ndarray,
                     now: datetime) -> list[tuple[MemoryRecord, float]]:
         """Existing memories of the same scope and kind that may repeat `rec`, with cosines."""
@@ -283,10 +296,13 @@ class Memory:
         now = utcnow()
         after = replace(before, **changes, updated_at=now)
         index = self._index([after])[after.id] if "text" in changes else None
+        followers = self._reindex_followers(before, after) if "text" in changes else []
         with self.store.write() as tx:
             if self._visible(before.id, now) is None:  # deleted meanwhile by another writer
                 raise NotFound(f"no memory with id {id!r}")
             tx.update(after, *(index or (None, None)))
+            for rec, (keys, lexical) in followers:
+                tx.update(rec, keys, lexical)
             tx.append(_event(EventType.UPDATE, after, now, before=before, after=after))
         log.info("updated %s: %s", id, sorted(changes))
         return after
@@ -295,8 +311,11 @@ class Memory:
         """Soft delete: hidden from every read, kept in the history."""
         rec = self.get(id)
         now = utcnow()
+        followers = self._reindex_followers(rec, None)
         with self.store.write() as tx:
             tx.soft_delete([rec.id], now)
+            for other, (keys, lexical) in followers:
+                tx.update(other, keys, lexical)
             tx.append(_event(EventType.DELETE, rec, now, before=rec, reason="deleted by caller"))
         log.info("deleted %s", id)
 
@@ -317,11 +336,17 @@ class Memory:
                 raise NotFound(f"no memory with id {id!r}")
             ids = [id]
             scope = found.scope
+            followers = self._reindex_followers(found, None)
         else:
+            # A whole scope goes: every episode's context lies within its own scope, so no
+            # surviving memory holds an erased turn.
             ids = self.store.ids(scope, include_deleted=True)
+            followers = []
         now = utcnow()
         with self.store.write() as tx:
             tx.erase(ids)
+            for other, (keys, lexical) in followers:
+                tx.update(other, keys, lexical)
             tx.append(Event(id=new_id(), memory_id=id, type=EventType.ERASE, at=now, scope=scope,
                             reason=f"erased {len(ids)} memories"))
         self.store.reclaim()

@@ -135,6 +135,10 @@ class Store(Protocol):
     def recent_episodes(self, scope: Scope, n: int) -> list[MemoryRecord]:
         """The `n` most recently observed visible episodes of exactly this scope, newest first."""
 
+    def episodes_around(self, id: str, n: int) -> tuple[list[MemoryRecord], list[MemoryRecord]]:
+        """Up to `n` visible episodes of the same scope just before and just after the episode
+        `id`, each list oldest first (their index holds `id` as context)."""
+
     def eviction_pool(self, scope: Scope, now: datetime) -> list[MemoryRecord]:
         """Visible memories of exactly this scope, for capacity eviction."""
 

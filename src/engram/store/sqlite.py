@@ -455,6 +455,22 @@ class SQLiteStore:
             "ORDER BY m.valid_from DESC, m.rid DESC LIMIT ?", [*s_params, n])
         return [_row_to_record(r) for r in rows]
 
+    def episodes_around(self, id: str, n: int) -> tuple[list[MemoryRecord], list[MemoryRecord]]:
+        rows = self._read("SELECT m.user_id, m.agent_id, m.session_id, m.valid_from, m.rid "
+                          "FROM memories m WHERE m.id = ? AND m.kind = 'episodic'", [id])
+        if not rows:
+            return [], []
+        uid, aid, sid, vf, rid = rows[0]
+        same = ("m.kind = 'episodic' AND m.deleted_at IS NULL AND m.user_id IS ? "
+                "AND m.agent_id IS ? AND m.session_id IS ?")
+        before = self._read(
+            f"{_SELECT} WHERE {same} AND (m.valid_from < ? OR (m.valid_from = ? AND m.rid < ?)) "
+            "ORDER BY m.valid_from DESC, m.rid DESC LIMIT ?", [uid, aid, sid, vf, vf, rid, n])
+        after = self._read(
+            f"{_SELECT} WHERE {same} AND (m.valid_from > ? OR (m.valid_from = ? AND m.rid > ?)) "
+            "ORDER BY m.valid_from, m.rid LIMIT ?", [uid, aid, sid, vf, vf, rid, n])
+        return [_row_to_record(r) for r in reversed(before)], [_row_to_record(r) for r in after]
+
     def eviction_pool(self, scope: Scope, now: datetime) -> list[MemoryRecord]:
         s_sql, s_params = _scope_sql(scope, exact=True)
         t = now.timestamp()
