@@ -69,6 +69,8 @@ class Memory:
                  embedder: Embedder | None = None, store: Store | None = None,
                  retrieval: str | RetrievalConfig | None = None) -> None:
         self.config = config or Config.from_env(path=path)
+        if self.config.log_level:
+            _configure_logging(self.config.log_level)
         self.store: Store = store or SQLiteStore(self.config.path,
                                                  busy_timeout_s=self.config.busy_timeout_s)
         self.embedder = embedder or get_embedder(self.config.embedder)
@@ -210,31 +212,27 @@ class Memory:
         An episode is indexed with its conversational context, because a turn is often
         understood only with the turns before it ("Yes, since 2019!"): a `window` key embeds
         the turn with the two before it in the same scope, and the lexical index holds the
-        previous turn as a lower-weighted column.
+        previous turn as a lower-weighted column. A fact stands alone: its window is itself.
         """
         texts: list[str] = []
-        owners: list[tuple[str, str]] = []
-        lexical: dict[str, Lexical] = {}
+        plan: dict[str, tuple[int, int, Lexical]] = {}  # id -> text row, window row, lexical
         history = {} if history is None else history  # the last turns seen, per scope
         for rec in records:
             own = _speaker_text(rec)
             texts.append(own)
-            owners.append((rec.id, "text"))
             if rec.kind is not Kind.EPISODIC:
-                lexical[rec.id] = Lexical(own)
+                plan[rec.id] = (len(texts) - 1, len(texts) - 1, Lexical(own))
                 continue
             if rec.scope not in history:
                 history[rec.scope] = self.store.recent_episodes(rec.scope, WINDOW - 1)[::-1]
             before = [r for r in history[rec.scope] if r.id != rec.id][-(WINDOW - 1):]
             texts.append("\n".join([*map(_speaker_text, before), own]))
-            owners.append((rec.id, "window"))
-            lexical[rec.id] = Lexical(own, _speaker_text(before[-1]) if before else "")
+            plan[rec.id] = (len(texts) - 2, len(texts) - 1,
+                            Lexical(own, _speaker_text(before[-1]) if before else ""))
             history[rec.scope] = [*before, rec]
         vectors = self.embedder.embed_batch(texts)
-        out: dict[str, tuple[list[Key], Lexical]] = {r.id: ([], lexical[r.id]) for r in records}
-        for (mid, label), vec in zip(owners, vectors, strict=True):
-            out[mid][0].append(Key(label, vec))
-        return out
+        return {mid: ([Key("text", vectors[t]), Key("window", vectors[w])], lex)
+                for mid, (t, w, lex) in plan.items()}
 
     def _reindex_followers(self, rec: MemoryRecord, replacement: MemoryRecord | None,
                            ) -> list[tuple[MemoryRecord, tuple[list[Key], Lexical]]]:
@@ -537,6 +535,20 @@ class AsyncMemory:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _configure_logging(level: str) -> None:
+    """ENGRAM_LOG_LEVEL opts in to engram's logs on stderr (the library is quiet otherwise)."""
+    logger = logging.getLogger("engram")
+    try:
+        logger.setLevel(level.upper())
+    except ValueError:
+        raise InvalidInput(f"ENGRAM_LOG_LEVEL={level!r} is not a logging level") from None
+    if not any(getattr(h, "engram", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        handler.engram = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
 
 
 # -- validation helpers (pure) -----------------------------------------------------------------

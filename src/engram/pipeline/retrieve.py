@@ -165,15 +165,18 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
             add(mid, "importance", cfg.importance_weight * rec.importance)
 
     # Session-level evidence: a turn in the session that best matches the query gains.
+    # A memory outside any session (a fact) is a session of its own.
     if cfg.session_weight:
-        best: dict[Scope, float] = defaultdict(float)
-        for mid, rec in recs.items():
-            if rec.scope.session_id is not None:
-                best[rec.scope] = max(best[rec.scope], score[mid])
+        def unit(mid: str) -> Scope | str:
+            rec = recs[mid]
+            return rec.scope if rec.scope.session_id is not None else mid
+
+        best: dict[Scope | str, float] = defaultdict(float)
+        for mid in recs:
+            best[unit(mid)] = max(best[unit(mid)], score[mid])
         norm = _minmax(best)
-        for mid, rec in recs.items():
-            if rec.scope in norm:
-                add(mid, "session", cfg.session_weight * norm[rec.scope])
+        for mid in recs:
+            add(mid, "session", cfg.session_weight * norm[unit(mid)])
 
     out = [(mid, score[mid], {**explain[mid], "score": score[mid]}) for mid in recs]
     out.sort(key=lambda r: (-r[1], r[0]))

@@ -1,0 +1,422 @@
+"""Scale benchmark: ingest rate, search latency and size on disk at 10k / 100k / 1M memories.
+
+    python bench/scale.py [--sizes 10000,100000] [--queries 200] [--json]
+    python bench/scale.py --sizes 10000,100000,1000000      # 1M: ~4 GB on disk, ~15 min
+
+Synthetic chat messages ("Maya: We had ramen in Lisbon on 3 March, 2023.") are generated from
+templates (names, places, foods, hobbies, dates) so that every text is distinct.
+
+How each database is filled:
+
+* The ingest rate comes from the real path only: `Memory.add(list_of_messages, user_id=...,
+  session_id=...)` in batches of `--batch` messages (embedding of `text` and `window` keys,
+  consolidation decision, events; all inside `Memory.add`). That run also *is* the 10k
+  database when `--ingest` equals the 10k size (the default).
+* Larger sizes bypass the embedder: rows are written through the store's own write
+  transaction (`store.write()` -> `tx.insert(record, [Key("text"), Key("window")], Lexical)`
+  plus the ADD event `Memory.add` would write), with vectors drawn from a pool of really
+  embedded synthetic sentences (`--pool`, embedded once and cached as .npy under
+  bench/results/cache/), each reused vector with small gaussian noise, renormalised. So the
+  index sizes, text lengths and row shapes are realistic; the vector-to-text match is not
+  (irrelevant to latency). 1M is spread over 10 scopes (user_ids) so the searched scope holds
+  100k.
+
+Search latency is `Memory.search(question, user_id=<searched scope>, limit=10)` with the
+default preset, query embedding included, each query text distinct (never repeated, so no
+cache can help), after a few warm-up queries (the first one builds the in-process vector
+cache; its time is reported separately as `first ms`). A per-stage breakdown (mean ms:
+embedding, dense per key, lexical, candidates, get, touch, and the rest = fuse + rank) is
+printed too, measured by wrapping the store and embedder methods of the real call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from engram import Memory  # noqa: E402
+from engram.model import Event, EventType, Kind, MemoryRecord, Scope, new_id  # noqa: E402
+from engram.pipeline.text import content_hash  # noqa: E402
+from engram.store import Key, Lexical  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SCOPE_SIZE = 100_000   # memories per user_id in the bulk-filled databases
+SESSION_LEN = 100      # messages per session (and per `add` call in the real-path run)
+GENERATOR_VERSION = 1  # bump when the text generator changes (invalidates the vector pool)
+
+# -- synthetic chat ------------------------------------------------------------------------
+
+NAMES = """Maya Liam Sofia Noah Aisha Mateo Yuki Omar Elena Jonas Priya Lucas Amara Diego Hana
+Felix Zara Ivan Leila Tomas Nadia Arjun Chloe Kenji Ines Samuel Freya Rafael Mina Oscar Talia
+Hugo Selin Pablo Anya Marco Lena Kofi Greta Emil""".split()
+PLACES = """Lisbon Kyoto Berlin Toronto Nairobi Oslo Seoul Lima Prague Dublin Marrakesh Hanoi
+Vienna Cusco Reykjavik Tbilisi Porto Valencia Krakow Melbourne Montreal Istanbul Bergen Naples
+Edinburgh Sapporo Chiang-Mai Cape-Town Bruges Tallinn Sevilla Zanzibar""".split()
+FOODS = """ramen tacos paella sushi pho dumplings lasagna falafel curry risotto ceviche pierogi
+bibimbap shakshuka goulash moussaka burritos gnocchi croissants baklava empanadas tagine
+pad-thai kimchi-stew fish-and-chips jollof banh-mi poutine arepas borscht""".split()
+HOBBIES = """painting climbing pottery running chess gardening surfing knitting photography
+birdwatching baking cycling yoga kayaking woodworking salsa-dancing skiing guitar journaling
+archery calligraphy fishing swimming sketching""".split()
+THINGS = """a new bike|a vintage camera|a puppy|a kayak|a sourdough starter|an old piano|a tent|
+a telescope|a record player|a sewing machine|a drone|a board game|a houseplant|a rescue cat|
+a pair of skis|a watercolor set""".replace("\n", "").split("|")
+MONTHS = """January February March April May June July August September October November
+December""".split()
+TEMPLATES = [
+    "We had {food} in {place} on {date}, honestly the best meal of the trip.",
+    "I started {hobby} again last {weekday}, {friend} came along.",
+    "{friend} and I are planning to visit {place} in {month} {year}.",
+    "I just bought {thing}, {friend} helped me pick it out.",
+    "My sister moved to {place} back in {year} and loves it there.",
+    "Did you try the {food} place near the station? {friend} recommended it.",
+    "I've been doing {hobby} every {weekday} since {month} {year}.",
+    "On {date} I finally finished my first {hobby} project!",
+    "{friend} cooked {food} for my birthday on {date}.",
+    "I'm nervous about the {hobby} competition in {place} next {month}.",
+    "Remember when we got lost in {place}? That was {year}.",
+    "I can't eat {food} anymore, it makes me feel sick since {month}.",
+    "{friend} gave me {thing} as a present in {year}.",
+    "We're hosting a {food} night on {weekday}, bring {friend}!",
+    "I took {friend} to a {hobby} class in {place} on {date}.",
+    "My goal for {year} is to get better at {hobby} and see {place}.",
+]
+QUESTIONS = [
+    "When did {name} go to {place}?",
+    "What food did {name} eat in {place}?",
+    "What hobby does {name} do on {weekday}?",
+    "Who did {name} go {hobby} with in {month} {year}?",
+    "Where is {name} planning to travel with {friend}?",
+    "What did {friend} give {name} in {year}?",
+    "Why can't {name} eat {food} since {month}?",
+    "How long has {name} been doing {hobby}?",
+    "What did {name} buy with help from {friend}?",
+    "Which city did {name}'s sister move to in {year}?",
+    "Did {name} like the {food} place {friend} recommended?",
+    "When is {name}'s {hobby} competition in {place}?",
+]
+WEEKDAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
+
+
+def _slots(rng: random.Random) -> dict[str, str]:
+    year = rng.randint(2015, 2024)
+    day = rng.randint(1, 28)
+    month = rng.choice(MONTHS)
+    return {
+        "name": rng.choice(NAMES), "friend": rng.choice(NAMES), "place": rng.choice(PLACES),
+        "food": rng.choice(FOODS).replace("-", " "), "hobby": rng.choice(HOBBIES).replace("-", " "),
+        "thing": rng.choice(THINGS), "month": month, "year": str(year),
+        "date": f"{day} {month}, {year}", "weekday": rng.choice(WEEKDAYS),
+    }
+
+
+def messages(seed: int = 0) -> Iterator[tuple[str, str]]:
+    """(speaker, text) pairs, every text distinct, deterministic for a seed."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    while True:
+        s = _slots(rng)
+        text = rng.choice(TEMPLATES).format(**s).replace("-", " ")
+        if text in seen:
+            continue
+        seen.add(text)
+        yield s["name"], text
+
+
+def questions(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out: dict[str, None] = {}
+    while len(out) < n:
+        s = _slots(rng)
+        out.setdefault(rng.choice(QUESTIONS).format(**s).replace("-", " "), None)
+    return list(out)
+
+
+def speaker_text(name: str, text: str) -> str:
+    return f"{name}: {text}"
+
+
+# -- filling -------------------------------------------------------------------------------
+
+def db_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in (path, Path(f"{path}-wal")) if p.exists())
+
+
+def real_ingest(mem: Memory, n: int, batch: int, user_id: str) -> dict[str, float]:
+    """Fill through `Memory.add` in batches; returns the ingest rate."""
+    gen = messages(seed=1)
+    base = datetime(2023, 1, 1, tzinfo=UTC)
+    mem.embedder.embed_batch(["warm up"])
+    t0 = time.perf_counter()
+    done = 0
+    while done < n:
+        k = min(batch, n - done)
+        when = base + timedelta(hours=done // SESSION_LEN)
+        msgs = []
+        for _ in range(k):
+            name, text = next(gen)
+            msgs.append({"role": "user", "name": name, "content": text, "observed_at": when})
+        mem.add(msgs, user_id=user_id, session_id=f"s{done // SESSION_LEN}", infer=False)
+        done += k
+        if done % (10 * batch) == 0:
+            rate = done / (time.perf_counter() - t0)
+            print(f"  real-path ingest {done}/{n} ({rate:.0f} msg/s)", file=sys.stderr)
+    secs = time.perf_counter() - t0
+    return {"messages": n, "seconds": secs, "msg_per_s": n / secs}
+
+
+def vector_pool(mem: Memory, n: int) -> np.ndarray:
+    """`n` really embedded synthetic turns (speaker-prefixed, as `Memory.add` embeds them)."""
+    tag = hashlib.sha1(f"{mem.embedder.name}:{n}:{GENERATOR_VERSION}".encode()).hexdigest()[:10]
+    path = RESULTS / "cache" / f"pool-{mem.embedder.name}-{n}-{tag}.npy"
+    if path.exists():
+        return np.load(path)
+    gen = messages(seed=2)
+    texts = [speaker_text(*next(gen)) for _ in range(n)]
+    print(f"  embedding a pool of {n} sentences (cached at {path})", file=sys.stderr)
+    t0 = time.perf_counter()
+    pool = mem.embedder.embed_batch(texts).astype(np.float32)
+    print(f"  pool embedded in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, pool)
+    return pool
+
+
+def _noisy(pool: np.ndarray, idx: np.ndarray, rng: np.random.Generator,
+           sigma: float = 0.3) -> np.ndarray:
+    v = pool[idx] + rng.standard_normal((len(idx), pool.shape[1]), dtype=np.float32) * (
+        sigma / np.sqrt(pool.shape[1]))
+    return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+
+
+def bulk_fill(mem: Memory, users: list[str], per_user: int, pool: np.ndarray,
+              chunk: int = 5000) -> dict[str, float]:
+    """Write rows through the store's transaction with pooled vectors (no embedder)."""
+    rng = np.random.default_rng(3)
+    gen = messages(seed=4)
+    base = datetime(2023, 1, 1, tzinfo=UTC)
+    now = datetime.now(UTC)
+    total = len(users) * per_user
+    t0 = time.perf_counter()
+    written = 0
+    for user in users:
+        prev_vec: np.ndarray | None = None
+        prev_text = ""
+        for start in range(0, per_user, chunk):
+            k = min(chunk, per_user - start)
+            idx = rng.integers(0, len(pool), k)
+            text_vecs = _noisy(pool, idx, rng)
+            with mem.store.write() as tx:
+                for j in range(k):
+                    i = start + j
+                    name, text = next(gen)
+                    own = speaker_text(name, text)
+                    vec = text_vecs[j]
+                    window = vec if prev_vec is None or i % SESSION_LEN == 0 else (
+                        0.7 * vec + 0.3 * prev_vec)
+                    window = (window / np.linalg.norm(window)).astype(np.float32)
+                    when = base + timedelta(hours=i // SESSION_LEN)
+                    rec = MemoryRecord(
+                        id=new_id(), scope=Scope(user, None, f"s{i // SESSION_LEN}"),
+                        kind=Kind.EPISODIC, text=text, metadata={}, importance=0.5, role="user",
+                        name=name, created_at=now, updated_at=now, observed_at=when,
+                        valid_from=when, content_hash=content_hash(text))
+                    context = prev_text if i % SESSION_LEN else ""
+                    tx.insert(rec, [Key("text", vec), Key("window", window)], Lexical(own, context))
+                    tx.append(Event(id=new_id(), memory_id=rec.id, type=EventType.ADD, at=now,
+                                    scope=rec.scope, after=rec.to_dict(),
+                                    reason="episodes are events, never merged"))
+                    prev_vec, prev_text = vec, own
+            written += k
+            if written % 50_000 == 0 or written == total:
+                rate = written / (time.perf_counter() - t0)
+                print(f"  bulk fill {written}/{total} ({rate:.0f} rows/s)", file=sys.stderr)
+    secs = time.perf_counter() - t0
+    return {"rows": total, "seconds": secs, "rows_per_s": total / secs}
+
+
+# -- searching -----------------------------------------------------------------------------
+
+STAGES = ("embed", "dense:text", "dense:window", "lexical", "candidates", "get", "touch")
+
+
+def _instrument(mem: Memory, acc: dict[str, float]) -> Callable[[], None]:
+    """Wrap the embedder and store methods `Memory.search` calls with timers; returns undo."""
+    store, emb = mem.store, mem.embedder
+    originals: list[tuple[Any, str, Any]] = []
+
+    def wrap(obj: Any, attr: str, label: Callable[..., str]) -> None:
+        fn = getattr(obj, attr)
+        originals.append((obj, attr, obj.__dict__.get(attr)))
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[label(*a, **kw)] += time.perf_counter() - t
+        setattr(obj, attr, timed)
+
+    wrap(emb, "embed_batch", lambda *a, **kw: "embed")
+    wrap(store, "dense", lambda *a, key="text", **kw: f"dense:{key}")
+    for attr in ("lexical", "candidates", "get", "touch"):
+        wrap(store, attr, lambda *a, _n=attr, **kw: _n)
+
+    def undo() -> None:
+        for obj, attr, old in originals:
+            if old is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+    return undo
+
+
+def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
+                   warmup: int = 5) -> dict[str, Any]:
+    qs = questions(n_queries + warmup, seed)
+    t0 = time.perf_counter()
+    mem.search(qs[0], user_id=user_id, limit=10)
+    first = time.perf_counter() - t0
+    for q in qs[1:warmup]:
+        mem.search(q, user_id=user_id, limit=10)
+    acc: dict[str, float] = defaultdict(float)
+    undo = _instrument(mem, acc)
+    lat: list[float] = []
+    try:
+        for q in qs[warmup:]:
+            t0 = time.perf_counter()
+            hits = mem.search(q, user_id=user_id, limit=10)
+            lat.append(time.perf_counter() - t0)
+            assert hits, f"no hits for {q!r}"
+    finally:
+        undo()
+    lat.sort()
+    total = sum(lat)
+    breakdown = {s: 1000 * acc[s] / len(lat) for s in STAGES}
+    breakdown["fuse+rank+rest"] = 1000 * (total - sum(acc.values())) / len(lat)
+    return {
+        "queries": len(lat), "first_ms": 1000 * first,
+        "p50_ms": 1000 * statistics.median(lat),
+        "p95_ms": 1000 * lat[min(len(lat) - 1, int(round(0.95 * len(lat))) - 1)],
+        "mean_ms": 1000 * total / len(lat), "breakdown_ms": breakdown,
+    }
+
+
+# -- driver --------------------------------------------------------------------------------
+
+def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    workdir: Path = args.workdir
+    workdir.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Any] = {"sizes": [], "ingest": None, "pool": args.pool,
+                           "batch": args.batch, "cores": os.cpu_count()}
+    for size in sizes:
+        path = workdir / f"scale-{size}.db"
+        users = [f"u{i}" for i in range(max(1, size // SCOPE_SIZE))]
+        per_user = size // len(users)
+        reused = args.reuse and path.exists()
+        if not reused:
+            for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                p.unlink(missing_ok=True)
+        mem = Memory(path)
+        fill: dict[str, Any]
+        if reused:
+            fill = {"how": "reused"}
+        elif size <= args.ingest:
+            print(f"[{size}] real-path ingest (Memory.add, {args.batch}/call)", file=sys.stderr)
+            res = real_ingest(mem, size, args.batch, users[0])
+            out["ingest"] = res
+            fill = {"how": "Memory.add (real path)", **res}
+        else:
+            pool = vector_pool(mem, args.pool)
+            print(f"[{size}] bulk fill, {len(users)} scope(s) x {per_user}", file=sys.stderr)
+            fill = {"how": "store tx, pooled vectors (bypasses embedder)",
+                    **bulk_fill(mem, users, per_user, pool)}
+        print(f"[{size}] searching scope {users[0]} ({per_user} memories)", file=sys.stderr)
+        search = measure_search(mem, users[0], args.queries, seed=size)
+        mem.close()
+        out["sizes"].append({"stored": size, "scopes": len(users), "in_scope": per_user,
+                             "fill": fill, "search": search, "db_bytes": db_bytes(path)})
+        if not args.keep:
+            for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+                p.unlink(missing_ok=True)
+    if out["ingest"] is None and args.ingest:
+        # No size was small enough to be the real-path run: measure it on its own sample.
+        path = workdir / "scale-ingest.db"
+        for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            p.unlink(missing_ok=True)
+        with Memory(path) as mem:
+            print(f"real-path ingest sample of {args.ingest}", file=sys.stderr)
+            out["ingest"] = real_ingest(mem, args.ingest, args.batch, "u0")
+        for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            p.unlink(missing_ok=True)
+    return out
+
+
+def report(res: dict[str, Any]) -> str:
+    ing = res["ingest"]
+    lines = []
+    if ing:
+        lines.append(f"ingest (real path: Memory.add, {res['batch']} msgs/call, {res['cores']} cores): "
+                     f"{ing['msg_per_s']:.0f} msg/s over {ing['messages']} messages "
+                     f"[target >= 200]")
+    lines.append("Sizes above the real-path run are filled through the store transaction with "
+                 f"pooled vectors ({res['pool']} real embeddings + noise): no embedder.")
+    lines.append("")
+    lines.append(f"{'stored':>9} {'scopes':>6} {'in scope':>9} {'fill':>10} {'first ms':>9} "
+                 f"{'p50 ms':>7} {'p95 ms':>7} {'db+wal MB':>10}")
+    for s in res["sizes"]:
+        f = s["fill"]
+        how = "real" if f["how"].startswith("Memory") else ("reused" if f["how"] == "reused"
+                                                            else "bulk")
+        q = s["search"]
+        lines.append(f"{s['stored']:>9} {s['scopes']:>6} {s['in_scope']:>9} {how:>10} "
+                     f"{q['first_ms']:>9.0f} {q['p50_ms']:>7.1f} {q['p95_ms']:>7.1f} "
+                     f"{s['db_bytes'] / 1e6:>10.0f}")
+    lines.append("targets: p50 <= 15 ms at 10k in scope; p95 <= 30 ms at 1M stored / 100k in scope")
+    lines.append("")
+    lines.append("search breakdown, mean ms per query:")
+    cols = [*STAGES, "fuse+rank+rest"]
+    lines.append(f"{'stored':>9} " + " ".join(f"{c:>13}" for c in cols))
+    for s in res["sizes"]:
+        b = s["search"]["breakdown_ms"]
+        lines.append(f"{s['stored']:>9} " + " ".join(f"{b[c]:>13.2f}" for c in cols))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="10000,100000",
+                    help="comma-separated memory counts (default 10000,100000)")
+    ap.add_argument("--ingest", type=int, default=10_000,
+                    help="real-path ingest messages; sizes up to this are filled by Memory.add")
+    ap.add_argument("--batch", type=int, default=100, help="messages per Memory.add call")
+    ap.add_argument("--pool", type=int, default=20_000, help="embedded vectors in the pool")
+    ap.add_argument("--queries", type=int, default=200, help="distinct queries per size")
+    ap.add_argument("--workdir", type=Path, default=RESULTS / "scale")
+    ap.add_argument("--keep", action="store_true", help="keep the databases in --workdir")
+    ap.add_argument("--reuse", action="store_true", help="search kept databases, skip filling")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    res = run(sizes, args)
+    print(json.dumps(res, indent=2) if args.json else report(res))
+
+
+if __name__ == "__main__":
+    main()
