@@ -37,7 +37,8 @@ def db(tmp_path: Path) -> Path:
 
 
 def run(db: Path, *args: str, input: str | None = None, code: int = 0) -> Result:
-    result = CliRunner().invoke(app, ["--db", str(db), *args], input=input)
+    # A wide terminal, so that rich tables are not cut (COLUMNS is what rich reads).
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["--db", str(db), *args], input=input)
     assert result.exit_code == code, (result.exit_code, result.output, result.exception)
     # A clean exit: typer.Exit / SystemExit only, never an escaped exception or traceback.
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
