@@ -1,0 +1,26 @@
+"""README examples are part of the docs: every ```python block must run as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
+
+
+def test_readme_has_python_examples() -> None:
+    assert BLOCKS, "README.md lost its Python quickstart"
+
+
+@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+def test_readme_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})
+    out = capsys.readouterr().out
+    assert "Machine learning engineer" in out  # the search found the job turn
+    assert "['ADD', 'UPDATE']" in out
+    assert not (tmp_path / "engram.db").exists() or (tmp_path / "engram.db").stat().st_size > 0
