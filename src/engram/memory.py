@@ -137,7 +137,8 @@ class Memory:
                     target = next((r for r, _ in batch if r.id == decision.target.id),
                                   decision.target)
                     merged = consolidate.merge(target, rec, now)
-                    tx.update(merged, *self._index([merged])[merged.id])
+                    # The merged text is one of the two, already embedded: no model call here.
+                    tx.update(merged, *(index[rec.id] if merged.text == rec.text else (None, None)))
                     ev = _event(EventType.MERGE, merged, now, before=target, after=merged,
                                 reason=decision.reason)
                     batch = [(merged, v) if r.id == merged.id else (r, v) for r, v in batch]
