@@ -34,7 +34,8 @@ EXIT_INVALID = 2
 EXIT_ERROR = 3
 
 # The order stages are shown in; keys a future stage adds are appended after these.
-STAGES = ("dense", "lexical", "fused", "neighbors", "speaker", "recency", "importance", "score")
+STAGES = ("dense", "window", "lexical", "fused", "speaker", "when", "session", "recency", "importance",
+          "score")
 
 app = typer.Typer(
     name="engram",
