@@ -17,7 +17,10 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q -e .
 	touch $@
 
+# llama-cpp-python (the LLM tests' real server) compiles from source: ~8 min on 2 cores, once;
+# pip caches the wheel after that.
 $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
+	@echo "installing dev tools; building llama-cpp-python from source takes several minutes"
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 

@@ -13,6 +13,9 @@ from typing import Any
 
 from .errors import InvalidInput
 
+# how an LLM is asked for JSON; the rungs are described in providers/llms.py
+LLM_STRUCTURED = ("auto", "json_schema", "json_object_schema", "json_object", "prompt")
+
 
 def default_db_path() -> Path:
     env = os.environ.get("ENGRAM_DB")
@@ -30,6 +33,14 @@ class Config:
     max_memories_per_scope: int | None = None  # capacity; None means unbounded
     busy_timeout_s: float = 30.0            # how long a writer waits for another's lock
     log_level: str | None = None            # None leaves `engram` logging unconfigured
+    llm: str = "openai"                     # name of a registered LLM provider (providers.llms)
+    llm_base_url: str | None = None         # None: no LLM; every feature takes its no-LLM path
+    llm_api_key: str | None = field(default=None, repr=False)
+    llm_model: str | None = None            # None: the first model the endpoint lists
+    llm_timeout_s: float = 60.0             # per request
+    llm_structured: str = "auto"            # auto | json_schema | json_object_schema | json_object | prompt
+    llm_retries: int = 2                    # extra tries after a transport error (with backoff)
+    llm_output_retries: int = 2             # extra tries after a reply that fails validation
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Config:
@@ -39,12 +50,24 @@ class Config:
             values["embedder"] = env["ENGRAM_EMBEDDER"]
         if "ENGRAM_RETRIEVAL" in env:
             values["retrieval"] = env["ENGRAM_RETRIEVAL"]
+        for name, key in (
+            ("llm", "ENGRAM_LLM"),
+            ("llm_base_url", "ENGRAM_LLM_BASE_URL"),
+            ("llm_api_key", "ENGRAM_LLM_API_KEY"),
+            ("llm_model", "ENGRAM_LLM_MODEL"),
+            ("llm_structured", "ENGRAM_LLM_STRUCTURED"),
+        ):
+            if env.get(key):
+                values[name] = env[key]
         for name, key, conv in (
             ("dedupe_threshold", "ENGRAM_DEDUPE_THRESHOLD", float),
             ("dedupe_min_overlap", "ENGRAM_DEDUPE_MIN_OVERLAP", float),
             ("max_text_chars", "ENGRAM_MAX_TEXT_CHARS", int),
             ("max_memories_per_scope", "ENGRAM_MAX_MEMORIES_PER_SCOPE", int),
             ("busy_timeout_s", "ENGRAM_BUSY_TIMEOUT", float),
+            ("llm_timeout_s", "ENGRAM_LLM_TIMEOUT", float),
+            ("llm_retries", "ENGRAM_LLM_RETRIES", int),
+            ("llm_output_retries", "ENGRAM_LLM_OUTPUT_RETRIES", int),
         ):
             if env.get(key):
                 try:
@@ -67,6 +90,12 @@ class Config:
             raise InvalidInput("max_text_chars must be positive")
         if self.max_memories_per_scope is not None and self.max_memories_per_scope < 1:
             raise InvalidInput("max_memories_per_scope must be positive")
+        if self.llm_timeout_s <= 0:
+            raise InvalidInput("llm_timeout_s must be positive")
+        if self.llm_retries < 0 or self.llm_output_retries < 0:
+            raise InvalidInput("llm_retries and llm_output_retries must be >= 0")
+        if self.llm_structured not in LLM_STRUCTURED:
+            raise InvalidInput(f"llm_structured must be one of {', '.join(LLM_STRUCTURED)}")
         return self
 
     def with_(self, **changes: Any) -> Config:

@@ -8,6 +8,10 @@
     ├── StoreError            the database failed; the write did not happen
     │   └── StoreBusy         the database stayed locked past the retry budget
     └── ProviderError         an embedder / model could not be loaded or failed
+        ├── LLMUnavailable    the LLM endpoint could not be reached or kept failing (5xx, 429)
+        │   └── LLMTimeout    ... or gave no answer within the timeout
+        ├── LLMRejected       the LLM endpoint refused the request (4xx): key, model, options
+        └── LLMOutputError    no reply validated against the schema; carries replies and reasons
 
 Validation happens at the boundary, before anything is written: a raised error means the
 database is unchanged.
@@ -49,3 +53,36 @@ class StoreBusy(StoreError):
 
 class ProviderError(EngramError):
     """An embedding or language model provider failed."""
+
+
+class LLMUnavailable(ProviderError):
+    """The LLM endpoint could not be reached, or kept failing, past the retries."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class LLMTimeout(LLMUnavailable):
+    """The LLM endpoint gave no answer within the timeout."""
+
+
+class LLMRejected(ProviderError):
+    """The LLM endpoint refused the request (a 4xx): retrying the same request will not help."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class LLMOutputError(ProviderError):
+    """The model never produced a reply that validated against the schema.
+
+    `outputs` holds every raw reply and `reasons` why each was refused, so the caller can take
+    its no-LLM path and record why.
+    """
+
+    def __init__(self, message: str, *, outputs: list[str], reasons: list[str]) -> None:
+        super().__init__(message)
+        self.outputs = outputs
+        self.reasons = reasons
