@@ -1,1 +1,1 @@
-"""Providers: embedders (and, later, language models and tokenizers) behind minimal interfaces."""
+"""Providers behind minimal interfaces: embedders (`embed_batch`) and LLMs (`complete`)."""
