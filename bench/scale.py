@@ -323,7 +323,9 @@ def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
     workdir: Path = args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {"sizes": [], "ingest": None, "pool": args.pool,
-                           "batch": args.batch, "cores": os.cpu_count()}
+                           "batch": args.batch, "cores": os.cpu_count(),
+                           "torch_threads": args.torch_threads or "default",
+                           "load_avg": os.getloadavg()[0]}
     for size in sizes:
         path = workdir / f"scale-{size}.db"
         users = [f"u{i}" for i in range(max(1, size // SCOPE_SIZE))]
@@ -374,6 +376,8 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"ingest (real path: Memory.add, {res['batch']} msgs/call, {res['cores']} cores): "
                      f"{ing['msg_per_s']:.0f} msg/s over {ing['messages']} messages "
                      f"[target >= 200]")
+    lines.append(f"torch threads: {res['torch_threads']}; 1-min load average at start: "
+                 f"{res['load_avg']:.1f} (other processes skew every number)")
     lines.append("Sizes above the real-path run are filled through the store transaction with "
                  f"pooled vectors ({res['pool']} real embeddings + noise): no embedder.")
     lines.append("")
@@ -411,8 +415,13 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=RESULTS / "scale")
     ap.add_argument("--keep", action="store_true", help="keep the databases in --workdir")
     ap.add_argument("--reuse", action="store_true", help="search kept databases, skip filling")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch.set_num_threads for the embedder (0: leave torch's default)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.torch_threads:
+        import torch
+        torch.set_num_threads(args.torch_threads)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     res = run(sizes, args)
     print(json.dumps(res, indent=2) if args.json else report(res))

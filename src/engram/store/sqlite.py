@@ -75,6 +75,22 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
         "CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
         "INSERT INTO meta(name, value) VALUES ('keys_version', 0)",
     ]),
+    # What the dense cache needs to follow the database without asking it about each
+    # candidate: a deleted key leaves a tombstone (its seq, nothing else), and a change to a
+    # column that visibility depends on bumps `rows_version`.
+    ("0002_dense_cache_log", [
+        "CREATE TABLE key_tombstones (id INTEGER PRIMARY KEY AUTOINCREMENT, seq INTEGER NOT NULL)",
+        "CREATE TRIGGER memory_keys_tombstone AFTER DELETE ON memory_keys "
+        "BEGIN INSERT INTO key_tombstones(seq) VALUES (old.seq); END",
+        "INSERT INTO meta(name, value) VALUES ('rows_version', 0)",
+        """CREATE TRIGGER memories_visibility AFTER UPDATE OF deleted_at, expires_at, valid_from,
+               valid_to, kind, user_id, agent_id, session_id ON memories
+           WHEN old.deleted_at IS NOT new.deleted_at OR old.expires_at IS NOT new.expires_at
+             OR old.valid_from IS NOT new.valid_from OR old.valid_to IS NOT new.valid_to
+             OR old.kind IS NOT new.kind OR old.user_id IS NOT new.user_id
+             OR old.agent_id IS NOT new.agent_id OR old.session_id IS NOT new.session_id
+           BEGIN UPDATE meta SET value = value + 1 WHERE name = 'rows_version'; END""",
+    ]),
 ]
 
 _COLUMNS = (
@@ -187,32 +203,106 @@ def compile_query(q: Query) -> tuple[str, list[Any]]:
     return " AND ".join(sql), params
 
 
+_KIND_CODES = {k.value: i for i, k in enumerate(Kind)}
+
+
 class _Slab:
-    """Vectors of one scope, held in a growable float32 matrix (a cache of `memory_keys`)."""
+    """Vectors of one scope and key kind in a growable float32 matrix (a cache of `memory_keys`).
+
+    Each row also caches what visibility depends on (its memory's kind, expiry and validity,
+    and whether the key and memory still exist), so a search outside a write filters in numpy
+    instead of asking the database about each candidate. The cache is exact as of the
+    `keys_version` / `rows_version` it was refreshed at: new keys are loaded by seq, deleted
+    ones cleared from `key_tombstones`, and a changed row (`rows_version`) reloads the
+    attributes of the whole slab.
+    """
 
     def __init__(self, dim: int) -> None:
-        self.mat = np.zeros((1024, dim), dtype=np.float32)
-        self.seqs = np.zeros(1024, dtype=np.int64)
-        self.alive = np.zeros(1024, dtype=bool)
+        cap = 1024
+        self.mat = np.zeros((cap, dim), dtype=np.float32)
+        self.seqs = np.zeros(cap, dtype=np.int64)
+        self.alive = np.zeros(cap, dtype=bool)     # the key row exists (and its memory did)
+        self.ok = np.zeros(cap, dtype=bool)        # its memory is in scope and not deleted
+        self.kind = np.zeros(cap, dtype=np.int8)
+        self.expires = np.full(cap, np.nan)
+        self.valid_from = np.full(cap, np.nan)
+        self.valid_to = np.full(cap, np.nan)
         self.memory_ids: list[str] = []
         self.n = 0
         self.max_seq = 0
         self.version = -1
+        self.rows_version = -1  # the rows_version the attributes are exact for; -1: unknown
+        self.tomb_max = -1      # the last tombstone applied; -1: not tracked
 
-    def append(self, seqs: list[int], mids: list[str], vecs: np.ndarray) -> None:
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * len(self.seqs))
+        self.mat = np.resize(self.mat, (cap, self.mat.shape[1]))
+        for name in ("seqs", "alive", "ok", "kind", "expires", "valid_from", "valid_to"):
+            setattr(self, name, np.resize(getattr(self, name), cap))
+
+    def append(self, seqs: list[int], mids: list[str], vecs: np.ndarray,
+               attrs: Sequence[Sequence[Any]] = ()) -> None:
+        """Add rows in seq order; `attrs` holds (kind, expires_at, valid_from, valid_to) each."""
         need = self.n + len(seqs)
         if need > len(self.seqs):
-            cap = max(need, 2 * len(self.seqs))
-            self.mat = np.resize(self.mat, (cap, self.mat.shape[1]))
-            self.seqs = np.resize(self.seqs, cap)
-            self.alive = np.resize(self.alive, cap)
+            self._grow(need)
         self.mat[self.n:need] = vecs
         self.seqs[self.n:need] = seqs
         self.alive[self.n:need] = True
+        self.ok[self.n:need] = True
+        if attrs:
+            self._set_attrs(np.arange(self.n, need), attrs)
         self.memory_ids.extend(mids)
         self.n = need
         if seqs:
             self.max_seq = max(self.max_seq, max(seqs))
+
+    def _set_attrs(self, idx: np.ndarray, attrs: Sequence[Sequence[Any]]) -> None:
+        self.kind[idx] = [_KIND_CODES.get(a[0], -1) for a in attrs]
+        for col, name in enumerate(("expires", "valid_from", "valid_to"), start=1):
+            getattr(self, name)[idx] = np.array([a[col] for a in attrs], dtype=np.float64)
+
+    def rows_of(self, seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Slab row of each seq (seqs are stored ascending) and which of them are held."""
+        want = np.asarray(seqs, dtype=np.int64)
+        pos = np.searchsorted(self.seqs[:self.n], want)
+        held = pos < self.n
+        held[held] = self.seqs[pos[held]] == want[held]
+        return pos, held
+
+    def kill(self, seqs: Sequence[int]) -> None:
+        pos, held = self.rows_of(seqs)
+        self.alive[pos[held]] = False
+
+    def reset_attrs(self, rows: Sequence[Sequence[Any]]) -> None:
+        """Replace every row's attributes: `rows` are (seq, kind, expires, valid_from, valid_to)
+        of the keys whose memory is in scope and not deleted; the others are not ok."""
+        self.ok[:self.n] = False
+        if not rows:
+            return
+        pos, held = self.rows_of([r[0] for r in rows])
+        idx = pos[held]
+        self.ok[idx] = True
+        self._set_attrs(idx, [r[1:] for r, h in zip(rows, held, strict=True) if h])
+
+    def visible(self, query: Query) -> np.ndarray:
+        """Rows `query` may see, except for its metadata conditions (what `compile_query`
+        selects, on the cached attributes; NaN stands for NULL)."""
+        n = self.n
+        now = query.now.timestamp()
+        mask = self.alive[:n] & self.ok[:n]
+        exp = self.expires[:n]
+        mask &= np.isnan(exp) | (exp > now)
+        if query.kinds:
+            mask &= np.isin(self.kind[:n], [_KIND_CODES[k.value] for k in query.kinds])
+        vt = self.valid_to[:n]
+        if query.as_of is not None:
+            t = query.as_of.timestamp()
+            vf = self.valid_from[:n]
+            mask &= (np.isnan(vf) | (vf <= t)) & (np.isnan(vt) | (vt > t))
+        else:
+            mask &= np.isnan(vt) | (vt > now)
+        return mask
 
 
 class SQLiteStore:
@@ -328,13 +418,23 @@ class SQLiteStore:
 
     def candidates(self, ids: Sequence[str]) -> dict[str, Candidate]:
         out: dict[str, Candidate] = {}
+        # Hundreds of candidates share a few scopes and times: build each value once.
+        scopes: dict[tuple[Any, ...], Scope] = {}
+        times: dict[float | None, datetime | None] = {}
         for chunk in _chunks(list(ids), 900):
             rows = self._read(
                 "SELECT id, user_id, agent_id, session_id, name, text, observed_at, created_at, "
                 f"importance FROM memories WHERE id IN ({', '.join('?' * len(chunk))})", chunk)
             for mid, uid, aid, sid, name, text, obs, created, imp in rows:
-                out[mid] = Candidate(mid, Scope(uid, aid, sid), name, text, _dt(obs),
-                                     _dt(created), imp)  # type: ignore[arg-type]
+                scope = scopes.get((uid, aid, sid))
+                if scope is None:
+                    scope = scopes[(uid, aid, sid)] = Scope(uid, aid, sid)
+                if obs not in times:
+                    times[obs] = _dt(obs)
+                if created not in times:
+                    times[created] = _dt(created)
+                out[mid] = Candidate(mid, scope, name, text, times[obs],
+                                     times[created], imp)  # type: ignore[arg-type]
         return out
 
     def select(self, query: Query, *, after_id: str | None = None,
@@ -362,9 +462,16 @@ class SQLiteStore:
             out.update(r[0] for r in rows)
         return out
 
-    def _slab(self, scope: Scope, key_kind: str, dim: int) -> _Slab:
-        version = self._read("SELECT value FROM meta WHERE name = 'keys_version'")[0][0]
+    def _slab(self, scope: Scope, key_kind: str, dim: int) -> tuple[_Slab, bool]:
+        """The scope's cache, refreshed; and whether it is exact (its visibility attributes
+        may be used instead of re-checking candidates against the tables)."""
+        meta = dict(self._read("SELECT name, value FROM meta"))
+        version: int = meta["keys_version"]
+        rows_version: int = meta.get("rows_version", -1)
+        tracked = "rows_version" in meta  # a database the cache log migration has reached
+        in_tx = self._conn().in_transaction
         key = (scope.user_id, scope.agent_id, scope.session_id, key_kind)
+        s_sql, s_params = _scope_sql(scope)
         with self._slabs_lock:
             slab = self._slabs.get(key)
             if slab is None or slab.mat.shape[1] != dim:
@@ -376,22 +483,68 @@ class SQLiteStore:
             # Inside a write that already changed keys, this connection sees rows that may yet
             # roll back: use the cache as it is (committed state) rather than load them.
             if slab.version != version and not getattr(self._local, "dirty", False):
-                s_sql, s_params = _scope_sql(scope)
+                if tracked:
+                    # Tombstones first, then keys: a key deleted in between is either not
+                    # loaded or leaves a tombstone past `tomb_max`, applied next time.
+                    if slab.tomb_max < 0:
+                        slab.tomb_max = self._read(
+                            "SELECT coalesce(max(id), 0) FROM key_tombstones")[0][0]
+                    else:
+                        dead = self._read("SELECT id, seq FROM key_tombstones WHERE id > ? "
+                                          "ORDER BY id", [slab.tomb_max])
+                        if dead:
+                            slab.kill([r[1] for r in dead])
+                            slab.tomb_max = dead[-1][0]
                 where = " AND ".join(["k.seq > ?", "k.kind = ?", "m.deleted_at IS NULL", *s_sql])
                 rows = self._read(
-                    "SELECT k.seq, k.memory_id, k.vector FROM memory_keys k "
-                    f"JOIN memories m ON m.id = k.memory_id WHERE {where} ORDER BY k.seq",
-                    [slab.max_seq, key_kind, *s_params])
+                    "SELECT k.seq, k.memory_id, k.vector, m.kind, m.expires_at, m.valid_from, "
+                    f"m.valid_to FROM memory_keys k JOIN memories m ON m.id = k.memory_id "
+                    f"WHERE {where} ORDER BY k.seq", [slab.max_seq, key_kind, *s_params])
                 if rows:
                     vecs = np.frombuffer(b"".join(r[2] for r in rows), dtype=np.float32)
-                    slab.append([r[0] for r in rows], [r[1] for r in rows], vecs.reshape(len(rows), dim))
+                    slab.append([r[0] for r in rows], [r[1] for r in rows],
+                                vecs.reshape(len(rows), dim), [r[3:] for r in rows])
+                    if in_tx:  # their rows may carry this write's uncommitted changes
+                        slab.rows_version = -1
                 slab.version = version
-            return slab
+            if tracked and not in_tx and slab.rows_version != rows_version:
+                where = " AND ".join(["k.kind = ?", "k.seq <= ?", "m.deleted_at IS NULL", *s_sql])
+                slab.reset_attrs(self._read(
+                    "SELECT k.seq, m.kind, m.expires_at, m.valid_from, m.valid_to "
+                    f"FROM memory_keys k JOIN memories m ON m.id = k.memory_id WHERE {where}",
+                    [key_kind, slab.max_seq, *s_params]))
+                slab.rows_version = rows_version
+            exact = (tracked and not in_tx and slab.version == version
+                     and slab.rows_version == rows_version)
+            return slab, exact
 
     def dense(self, query: Query, vector: np.ndarray, k: int,
               key: str = "text") -> list[tuple[str, float]]:
         vector = np.asarray(vector, dtype=np.float32)
-        slab = self._slab(query.scope, key, vector.shape[0])
+        slab, exact = self._slab(query.scope, key, vector.shape[0])
+        if exact:
+            with self._slabs_lock:
+                rows = np.flatnonzero(slab.visible(query))
+                sims = slab.mat[rows] @ vector if len(rows) < slab.n // 2 else \
+                    (slab.mat[:slab.n] @ vector)[rows]
+                mids = slab.memory_ids
+                # Without metadata conditions the cache decides; with them, the database
+                # checks the best candidates in growing pools.
+                pool = min(len(rows), k if not query.conditions else 4 * k + 64)
+                while True:
+                    top = np.argpartition(-sims, pool - 1)[:pool] if pool < len(rows) \
+                        else np.arange(len(rows))
+                    top = top[np.argsort(-sims[top], kind="stable")]
+                    best: dict[str, float] = {}
+                    for i in top:
+                        best.setdefault(mids[rows[i]], float(sims[i]))
+                    if query.conditions:
+                        visible = self._visible(query, list(best))
+                        best = {mid: s for mid, s in best.items() if mid in visible}
+                    if len(best) >= k or pool >= len(rows):
+                        return list(best.items())[:k]
+                    pool = min(len(rows), pool * 4)
+        # Inside a write (or on a database without the cache log): check each candidate.
         with self._slabs_lock:
             n = slab.n
             sims = slab.mat[:n] @ vector
@@ -405,10 +558,11 @@ class SQLiteStore:
             top = top[np.argsort(-sims[top], kind="stable")]
             alive = self._alive_seqs([int(seqs[i]) for i in top])
             dead = [i for i in top if int(seqs[i]) not in alive]
-            if dead:
+            # Not from inside a write: a key it deleted comes back if the write rolls back.
+            if dead and not self._conn().in_transaction:
                 with self._slabs_lock:
                     slab.alive[dead] = False
-            best: dict[str, float] = {}
+            best = {}
             for i in top:
                 if int(seqs[i]) in alive and mids[i] not in best:
                     best[mids[i]] = float(sims[i])
