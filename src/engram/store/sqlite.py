@@ -7,6 +7,7 @@ has changed it; a stale cache entry is caught by re-checking candidates against 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sqlite3
@@ -60,7 +61,9 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             kind TEXT NOT NULL,
             vector BLOB NOT NULL)""",
         "CREATE INDEX memory_keys_memory ON memory_keys(memory_id)",
-        "CREATE VIRTUAL TABLE memory_fts USING fts5(body, context, "
+        # `owner` holds opaque scope tokens, so a lexical search intersects with its scope
+        # inside the index instead of scoring every tenant's matches and dropping most.
+        "CREATE VIRTUAL TABLE memory_fts USING fts5(body, context, owner, "
         "tokenize='porter unicode61 remove_diacritics 2')",
         """CREATE TABLE events (
             rid INTEGER PRIMARY KEY,
@@ -143,6 +146,13 @@ def _row_to_event(row: Sequence[Any]) -> Event:
     return Event(id=eid, memory_id=mid, type=EventType(typ), at=_dt(at),  # type: ignore[arg-type]
                  scope=Scope(uid, aid, sid), before=json.loads(before) if before else None,
                  after=json.loads(after) if after else None, reason=reason)
+
+
+def owner_tokens(scope: Scope) -> list[str]:
+    """Opaque full-text tokens for the set fields of a scope (letters and digits only, so the
+    tokenizer keeps each whole; hashed, so ids of any shape fit)."""
+    return ["o" + hashlib.sha256(f"{field}\x1f{value}".encode()).hexdigest()[:24]
+            for field, value in scope.as_dict().items() if value is not None]
 
 
 def _scope_sql(scope: Scope, exact: bool = False) -> tuple[list[str], list[Any]]:
@@ -584,10 +594,13 @@ class SQLiteStore:
                 context_weight: float = 0.5) -> list[tuple[str, float]]:
         if not terms:
             return []
-        match = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+        match = "(" + " OR ".join('"' + t.replace('"', '""') + '"' for t in terms) + ")"
+        owners = owner_tokens(query.scope)
+        if owners:
+            match = " AND ".join([*(f'owner : "{o}"' for o in owners), match])
         where, params = compile_query(query)
         rows = self._read(
-            "SELECT m.id, -bm25(memory_fts, 1.0, ?) AS s FROM memory_fts "
+            "SELECT m.id, -bm25(memory_fts, 1.0, ?, 0.0) AS s FROM memory_fts "
             f"JOIN memories m ON m.rid = memory_fts.rowid WHERE memory_fts MATCH ? AND {where} "
             "ORDER BY s DESC LIMIT ?", [context_weight, match, *params, k])
         return [(r[0], float(r[1])) for r in rows]
@@ -706,8 +719,9 @@ class _SQLiteTx:
         cur = self.conn.execute(
             f"INSERT INTO memories ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
             _record_values(record))
-        self.conn.execute("INSERT INTO memory_fts(rowid, body, context) VALUES (?, ?, ?)",
-                          (cur.lastrowid, lexical.body, lexical.context))
+        self.conn.execute("INSERT INTO memory_fts(rowid, body, context, owner) VALUES (?, ?, ?, ?)",
+                          (cur.lastrowid, lexical.body, lexical.context,
+                           " ".join(owner_tokens(record.scope))))
         self._put_keys(record.id, keys)
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
@@ -728,8 +742,10 @@ class _SQLiteTx:
         if lexical is not None:
             (rid,), = self.conn.execute("SELECT rid FROM memories WHERE id = ?", (record.id,))
             self.conn.execute("DELETE FROM memory_fts WHERE rowid = ?", (rid,))
-            self.conn.execute("INSERT INTO memory_fts(rowid, body, context) VALUES (?, ?, ?)",
-                              (rid, lexical.body, lexical.context))
+            self.conn.execute("INSERT INTO memory_fts(rowid, body, context, owner) "
+                              "VALUES (?, ?, ?, ?)",
+                              (rid, lexical.body, lexical.context,
+                               " ".join(owner_tokens(record.scope))))
 
     def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
         for chunk in _chunks(list(ids), 500):
