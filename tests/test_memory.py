@@ -606,3 +606,21 @@ def test_async_memory_has_every_public_method() -> None:
     assert sync <= aio, f"missing on AsyncMemory: {sorted(sync - aio)}"
     for name in sync:
         assert inspect.iscoroutinefunction(getattr(AsyncMemory, name)), name
+
+
+def test_update_of_an_old_turn_reindexes_it_with_its_own_context(mem: Memory) -> None:
+    """The window of an edited turn is the turns before *it*, not the latest turns; and the
+    turns after it are re-indexed with its new text."""
+    turns = ["We adopted a cat.", "Her name is Pixel.", "She is grey.", "Dinner is at eight.",
+             "I will cook pasta."]
+    ids = [m.id for m in mem.add(turns, user_id="u", session_id="s").memories]
+    mem.update(ids[1], text="Her name is Nebula.")
+    q = Query(scope=Scope(user_id="u"), now=utcnow())
+
+    def window_hit(text: str) -> tuple[str, float]:
+        return mem.store.dense(q, mem.embedder.embed_batch([text])[0], 1, key="window")[0]
+
+    mid, cos = window_hit("We adopted a cat.\nHer name is Nebula.")
+    assert mid == ids[1] and cos > 0.999
+    mid, cos = window_hit("We adopted a cat.\nHer name is Nebula.\nShe is grey.")
+    assert mid == ids[2] and cos > 0.999

@@ -294,8 +294,11 @@ class Memory:
             raise InvalidInput("update needs at least one of text, metadata, importance, expires_at")
         now = utcnow()
         after = replace(before, **changes, updated_at=now)
-        index = self._index([after])[after.id] if "text" in changes else None
-        followers = self._reindex_followers(before, after) if "text" in changes else []
+        index, followers = None, []
+        if "text" in changes:
+            prior, _ = self.store.episodes_around(before.id, WINDOW - 1)  # its own context
+            index = self._index([after], {after.scope: prior})[after.id]
+            followers = self._reindex_followers(before, after)
         with self.store.write() as tx:
             if self._visible(before.id, now) is None:  # deleted meanwhile by another writer
                 raise NotFound(f"no memory with id {id!r}")
