@@ -477,8 +477,7 @@ class SQLiteStore:
         may be used instead of re-checking candidates against the tables)."""
         meta = dict(self._read("SELECT name, value FROM meta"))
         version: int = meta["keys_version"]
-        rows_version: int = meta.get("rows_version", -1)
-        tracked = "rows_version" in meta  # a database the cache log migration has reached
+        rows_version: int = meta["rows_version"]
         in_tx = self._conn().in_transaction
         key = (scope.user_id, scope.agent_id, scope.session_id, key_kind)
         s_sql, s_params = _scope_sql(scope)
@@ -493,18 +492,17 @@ class SQLiteStore:
             # Inside a write that already changed keys, this connection sees rows that may yet
             # roll back: use the cache as it is (committed state) rather than load them.
             if slab.version != version and not getattr(self._local, "dirty", False):
-                if tracked:
-                    # Tombstones first, then keys: a key deleted in between is either not
-                    # loaded or leaves a tombstone past `tomb_max`, applied next time.
-                    if slab.tomb_max < 0:
-                        slab.tomb_max = self._read(
-                            "SELECT coalesce(max(id), 0) FROM key_tombstones")[0][0]
-                    else:
-                        dead = self._read("SELECT id, seq FROM key_tombstones WHERE id > ? "
-                                          "ORDER BY id", [slab.tomb_max])
-                        if dead:
-                            slab.kill([r[1] for r in dead])
-                            slab.tomb_max = dead[-1][0]
+                # Tombstones first, then keys: a key deleted in between is either not
+                # loaded or leaves a tombstone past `tomb_max`, applied next time.
+                if slab.tomb_max < 0:
+                    slab.tomb_max = self._read(
+                        "SELECT coalesce(max(id), 0) FROM key_tombstones")[0][0]
+                else:
+                    dead = self._read("SELECT id, seq FROM key_tombstones WHERE id > ? "
+                                      "ORDER BY id", [slab.tomb_max])
+                    if dead:
+                        slab.kill([r[1] for r in dead])
+                        slab.tomb_max = dead[-1][0]
                 where = " AND ".join(["k.seq > ?", "k.kind = ?", "m.deleted_at IS NULL", *s_sql])
                 rows = self._read(
                     "SELECT k.seq, k.memory_id, k.vector, m.kind, m.expires_at, m.valid_from, "
@@ -517,15 +515,14 @@ class SQLiteStore:
                     if in_tx:  # their rows may carry this write's uncommitted changes
                         slab.rows_version = -1
                 slab.version = version
-            if tracked and not in_tx and slab.rows_version != rows_version:
+            if not in_tx and slab.rows_version != rows_version:
                 where = " AND ".join(["k.kind = ?", "k.seq <= ?", "m.deleted_at IS NULL", *s_sql])
                 slab.reset_attrs(self._read(
                     "SELECT k.seq, m.kind, m.expires_at, m.valid_from, m.valid_to "
                     f"FROM memory_keys k JOIN memories m ON m.id = k.memory_id WHERE {where}",
                     [key_kind, slab.max_seq, *s_params]))
                 slab.rows_version = rows_version
-            exact = (tracked and not in_tx and slab.version == version
-                     and slab.rows_version == rows_version)
+            exact = not in_tx and slab.version == version and slab.rows_version == rows_version
             return slab, exact
 
     def dense(self, query: Query, vector: np.ndarray, k: int,
@@ -554,7 +551,7 @@ class SQLiteStore:
                     if len(best) >= k or pool >= len(rows):
                         return list(best.items())[:k]
                     pool = min(len(rows), pool * 4)
-        # Inside a write (or on a database without the cache log): check each candidate.
+        # Inside a write: check each candidate against the tables.
         with self._slabs_lock:
             n = slab.n
             sims = slab.mat[:n] @ vector
