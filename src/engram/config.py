@@ -7,7 +7,7 @@ of `os.environ`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,3 @@ class Config:
         if self.llm_structured not in LLM_STRUCTURED:
             raise InvalidInput(f"llm_structured must be one of {', '.join(LLM_STRUCTURED)}")
         return self
-
-    def with_(self, **changes: Any) -> Config:
-        return replace(self, **changes).validated()

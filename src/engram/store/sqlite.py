@@ -242,7 +242,7 @@ class _Slab:
         self.max_seq = 0
         self.version = -1
         self.rows_version = -1  # the rows_version the attributes are exact for; -1: unknown
-        self.tomb_max = -1      # the last tombstone applied; -1: not tracked
+        self.tomb_max = -1      # the last tombstone applied; -1: not read yet
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self.seqs))
