@@ -10,6 +10,7 @@ import logging as _logging
 
 from .config import Config
 from .errors import (
+    Conflict,
     EngramError,
     InvalidFilter,
     InvalidImport,
@@ -18,9 +19,23 @@ from .errors import (
     ProviderError,
     StoreBusy,
     StoreError,
+    StoreUnavailable,
 )
 from .memory import AsyncMemory, Memory
-from .model import AddResult, Event, EventType, Hit, Kind, MemoryRecord, Message, Page, Scope
+from .model import (
+    AddResult,
+    Event,
+    EventType,
+    Hit,
+    Job,
+    JobStatus,
+    Kind,
+    MemoryRecord,
+    Message,
+    Page,
+    Scope,
+    Session,
+)
 from .pipeline.retrieve import PRESETS, RetrievalConfig
 from .store import Stats
 
@@ -33,6 +48,7 @@ __all__ = [
     "AddResult",
     "AsyncMemory",
     "Config",
+    "Conflict",
     "EngramError",
     "Event",
     "EventType",
@@ -40,6 +56,8 @@ __all__ = [
     "InvalidFilter",
     "InvalidImport",
     "InvalidInput",
+    "Job",
+    "JobStatus",
     "Kind",
     "Memory",
     "MemoryRecord",
@@ -49,8 +67,10 @@ __all__ = [
     "ProviderError",
     "RetrievalConfig",
     "Scope",
+    "Session",
     "Stats",
     "StoreBusy",
     "StoreError",
+    "StoreUnavailable",
     "__version__",
 ]

@@ -25,6 +25,7 @@ def default_db_path() -> Path:
 @dataclass(frozen=True)
 class Config:
     path: Path = field(default_factory=default_db_path)
+    database_url: str | None = field(default=None, repr=False)  # postgresql://... ; None: SQLite at `path`
     embedder: str = "minilm"                # name of a registered embedder
     retrieval: str = "hybrid"               # name of a retrieval preset (pipeline.retrieve)
     dedupe_threshold: float = 0.90          # cosine above which two facts may be one
@@ -51,6 +52,7 @@ class Config:
         if "ENGRAM_RETRIEVAL" in env:
             values["retrieval"] = env["ENGRAM_RETRIEVAL"]
         for name, key in (
+            ("database_url", "ENGRAM_DATABASE_URL"),
             ("llm", "ENGRAM_LLM"),
             ("llm_base_url", "ENGRAM_LLM_BASE_URL"),
             ("llm_api_key", "ENGRAM_LLM_API_KEY"),
@@ -86,6 +88,9 @@ class Config:
             raise InvalidInput("dedupe_threshold must be in (0, 1]")
         if not 0.0 <= self.dedupe_min_overlap <= 1.0:
             raise InvalidInput("dedupe_min_overlap must be in [0, 1]")
+        if self.database_url is not None and not self.database_url.startswith(
+                ("postgresql://", "postgres://")):
+            raise InvalidInput("ENGRAM_DATABASE_URL must be a postgresql:// URL")
         if self.max_text_chars < 1:
             raise InvalidInput("max_text_chars must be positive")
         if self.max_memories_per_scope is not None and self.max_memories_per_scope < 1:

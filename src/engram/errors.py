@@ -5,8 +5,10 @@
     │   ├── InvalidFilter     a malformed `filters` expression
     │   └── InvalidImport     an export file that cannot be read back
     ├── NotFound              an unknown (or erased, or other-scope) memory id
+    ├── Conflict              an idempotency key reused with a different request
     ├── StoreError            the database failed; the write did not happen
-    │   └── StoreBusy         the database stayed locked past the retry budget
+    │   ├── StoreBusy         the database stayed locked past the retry budget
+    │   └── StoreUnavailable  the database cannot be reached (retry later)
     └── ProviderError         an embedder / model could not be loaded or failed
         ├── LLMUnavailable    the LLM endpoint could not be reached or kept failing (5xx, 429)
         │   └── LLMTimeout    ... or gave no answer within the timeout
@@ -43,12 +45,21 @@ class NotFound(EngramError, KeyError):
         return str(self.args[0]) if self.args else "not found"
 
 
+class Conflict(EngramError):
+    """The request conflicts with what is stored: an idempotency key already used for a
+    different request. Nothing was written."""
+
+
 class StoreError(EngramError):
     """The storage backend failed; the operation was rolled back."""
 
 
 class StoreBusy(StoreError):
     """The database stayed locked by another writer longer than the configured timeout."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached (down, restarting, network): retry later."""
 
 
 class ProviderError(EngramError):

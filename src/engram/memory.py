@@ -39,7 +39,7 @@ from .pipeline import consolidate, forget
 from .pipeline.retrieve import RetrievalConfig, fuse, get_preset, rank
 from .pipeline.text import content_hash, terms
 from .providers.embedders import Embedder, get_embedder
-from .store import Key, Lexical, Query, SQLiteStore, Stats, Store
+from .store import Key, Lexical, Query, Stats, Store, open_store
 
 log = logging.getLogger("engram.memory")
 T = TypeVar("T")
@@ -67,12 +67,17 @@ class Memory:
 
     def __init__(self, path: str | Path | None = None, *, config: Config | None = None,
                  embedder: Embedder | None = None, store: Store | None = None,
-                 retrieval: str | RetrievalConfig | None = None) -> None:
+                 retrieval: str | RetrievalConfig | None = None,
+                 tenant: str | None = None) -> None:
+        """`tenant` isolates a service tenant's data (see `store.open_store`); libraries and
+        single-user apps leave it None."""
         self.config = config or Config.from_env(path=path)
         if self.config.log_level:
             _configure_logging(self.config.log_level)
-        self.store: Store = store or SQLiteStore(self.config.path,
-                                                 busy_timeout_s=self.config.busy_timeout_s)
+        if tenant is not None:
+            _id(tenant, "tenant")
+        self.tenant = tenant
+        self.store: Store = store or open_store(self.config, tenant)
         self.embedder = embedder or get_embedder(self.config.embedder)
         preset = retrieval or self.config.retrieval
         self.retrieval = get_preset(preset) if isinstance(preset, str) else preset
@@ -440,6 +445,8 @@ class Memory:
         return Query(scope=_scope(user_id, agent_id, session_id), now=utcnow(),
                      kinds=the_kinds or None,  # type: ignore[arg-type]
                      conditions=parse_filters(filters), as_of=_time(as_of, "as_of"))
+
+    # -- working memory: sessions and context (see working/ and context.py) -------------------
 
     # -- export / import ---------------------------------------------------------------------
 

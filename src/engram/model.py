@@ -139,6 +139,75 @@ class Page:
     next_cursor: str | None
 
 
+class JobStatus(StrEnum):
+    QUEUED = "queued"      # waiting for `run_at`
+    RUNNING = "running"    # claimed by a worker until `lease_until`
+    DONE = "done"
+    FAILED = "failed"      # gave up after the retries; `error` says why
+
+
+@dataclass(frozen=True)
+class Job:
+    """One unit of background work in the durable job table (an `add`, a reflection, a summary).
+
+    `key` is the caller's idempotency key (unique per store): a retried request finds the job it
+    already made instead of doing the work twice. `fingerprint` is a hash of the request, so the
+    same key with a different request can be refused.
+    """
+
+    id: str
+    kind: str
+    scope: Scope
+    payload: dict[str, Any]
+    status: JobStatus
+    created_at: datetime
+    updated_at: datetime
+    run_at: datetime
+    attempts: int = 0
+    key: str | None = None
+    fingerprint: str | None = None
+    lease_until: datetime | None = None
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["scope"] = self.scope.as_dict()
+        out["status"] = self.status.value
+        for key, value in out.items():
+            if isinstance(value, datetime):
+                out[key] = value.isoformat()
+        return out
+
+
+@dataclass(frozen=True)
+class Session:
+    """A persisted conversation: its scope (with a session_id), its policy and its summaries.
+
+    The messages themselves are episodes of the scope; the session row holds what is derived
+    from them: `summary` covers every message up to and including `summary_upto` (an id).
+    `state` holds policy-specific data (e.g. the levels of a progressive summary).
+    """
+
+    scope: Scope
+    policy: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    summary: str = ""
+    summary_upto: str | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    ended_at: datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["scope"] = self.scope.as_dict()
+        for key, value in out.items():
+            if isinstance(value, datetime):
+                out[key] = value.isoformat()
+        return out
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..filters import Condition
-from ..model import Event, Kind, MemoryRecord, Scope
+from ..model import Event, Job, Kind, MemoryRecord, Scope, Session
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,20 @@ class Tx(Protocol):
 
     def append(self, event: Event) -> None: ...
 
+    def put_job(self, job: Job) -> None:
+        """Insert or replace a job (by id). A new job whose `key` is already taken raises
+        `Conflict`: callers look the key up first (`Store.job_by_key`) in the same transaction."""
+
+    def put_session(self, session: Session) -> None:
+        """Insert or replace the session of `session.scope` (user_id, agent_id, session_id)."""
+
+    def delete_session(self, scope: Scope) -> None:
+        """Remove the session row of exactly this scope (its episodes are separate memories)."""
+
+    def erase_scope(self, scope: Scope) -> None:
+        """Remove sessions and jobs of a scope (None fields match anything): they hold message
+        text, so a scope's erasure must take them too."""
+
 
 class Store(Protocol):
     def write(self) -> AbstractContextManager[Tx]: ...
@@ -150,6 +164,28 @@ class Store(Protocol):
     def stats(self, scope: Scope, now: datetime) -> Stats: ...
 
     def iter_export(self, scope: Scope) -> Iterator[tuple[MemoryRecord, list[Event]]]: ...
+
+    # -- jobs (the durable queue; see pipeline/jobs) ------------------------------------------
+
+    def job(self, id: str) -> Job | None: ...
+
+    def job_by_key(self, key: str) -> Job | None: ...
+
+    def jobs(self, scope: Scope, *, status: str | None = None, limit: int = 50) -> list[Job]:
+        """Jobs of a scope (None fields match anything), newest first."""
+
+    def claim_job(self, now: datetime, lease_until: datetime) -> Job | None:
+        """Atomically take the oldest runnable job: queued with `run_at <= now`, or running
+        with an expired lease (its worker died). It becomes running until `lease_until`, with
+        `attempts` + 1. Two workers never claim the same job."""
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def session(self, scope: Scope) -> Session | None:
+        """The session of exactly this scope (session_id set), or None."""
+
+    def sessions(self, scope: Scope, *, limit: int = 50) -> list[Session]:
+        """Sessions of a scope (None fields match anything), most recently updated first."""
 
     def reclaim(self) -> None:
         """Make erased bytes unrecoverable from the files (checkpoint, purge free pages)."""
