@@ -16,15 +16,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import StoreBusy, StoreError
+from ..errors import Conflict, StoreBusy, StoreError
 from ..filters import Condition
-from ..model import Event, EventType, Kind, MemoryRecord, Scope
+from ..model import Event, EventType, Job, JobStatus, Kind, MemoryRecord, Scope, Session
 from .base import Candidate, Key, Lexical, Query, Stats
 
 log = logging.getLogger("engram.store")
@@ -94,7 +95,38 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
              OR old.agent_id IS NOT new.agent_id OR old.session_id IS NOT new.session_id
            BEGIN UPDATE meta SET value = value + 1 WHERE name = 'rows_version'; END""",
     ]),
+    ("0003_jobs_sessions", [
+        """CREATE TABLE jobs (
+            id TEXT PRIMARY KEY,
+            key TEXT UNIQUE,
+            fingerprint TEXT,
+            kind TEXT NOT NULL,
+            user_id TEXT, agent_id TEXT, session_id TEXT,
+            payload TEXT NOT NULL,
+            status TEXT NOT NULL,
+            attempts INTEGER NOT NULL DEFAULT 0,
+            run_at REAL NOT NULL,
+            lease_until REAL,
+            result TEXT, error TEXT,
+            created_at REAL NOT NULL, updated_at REAL NOT NULL)""",
+        "CREATE INDEX jobs_runnable ON jobs(status, run_at)",
+        "CREATE INDEX jobs_scope ON jobs(user_id, agent_id, session_id)",
+        # `scope_key` makes (user_id, agent_id, session_id) one key even where some are NULL.
+        """CREATE TABLE sessions (
+            scope_key TEXT PRIMARY KEY,
+            user_id TEXT, agent_id TEXT, session_id TEXT NOT NULL,
+            policy TEXT NOT NULL, summary TEXT NOT NULL, summary_upto TEXT,
+            state TEXT NOT NULL, metadata TEXT NOT NULL,
+            created_at REAL NOT NULL, updated_at REAL NOT NULL, ended_at REAL)""",
+        "CREATE INDEX sessions_user ON sessions(user_id, updated_at)",
+    ]),
 ]
+
+_JOB_COLUMNS = ("id", "key", "fingerprint", "kind", "user_id", "agent_id", "session_id", "payload",
+                "status", "attempts", "run_at", "lease_until", "result", "error", "created_at",
+                "updated_at")
+_SESSION_COLUMNS = ("scope_key", "user_id", "agent_id", "session_id", "policy", "summary",
+                    "summary_upto", "state", "metadata", "created_at", "updated_at", "ended_at")
 
 _COLUMNS = (
     "id", "user_id", "agent_id", "session_id", "kind", "text", "metadata", "importance", "role",
@@ -146,6 +178,48 @@ def _row_to_event(row: Sequence[Any]) -> Event:
     return Event(id=eid, memory_id=mid, type=EventType(typ), at=_dt(at),  # type: ignore[arg-type]
                  scope=Scope(uid, aid, sid), before=json.loads(before) if before else None,
                  after=json.loads(after) if after else None, reason=reason)
+
+
+def _job_values(job: Job) -> list[Any]:
+    s = job.scope
+    return [job.id, job.key, job.fingerprint, job.kind, s.user_id, s.agent_id, s.session_id,
+            json.dumps(job.payload, ensure_ascii=False), job.status.value, job.attempts,
+            _ts(job.run_at), _ts(job.lease_until),
+            None if job.result is None else json.dumps(job.result, ensure_ascii=False), job.error,
+            _ts(job.created_at), _ts(job.updated_at)]
+
+
+def _row_to_job(row: Sequence[Any]) -> Job:
+    r = dict(zip(_JOB_COLUMNS, row, strict=True))
+    return Job(id=r["id"], key=r["key"], fingerprint=r["fingerprint"], kind=r["kind"],
+               scope=Scope(r["user_id"], r["agent_id"], r["session_id"]),
+               payload=json.loads(r["payload"]), status=JobStatus(r["status"]),
+               attempts=r["attempts"], run_at=_dt(r["run_at"]),  # type: ignore[arg-type]
+               lease_until=_dt(r["lease_until"]),
+               result=None if r["result"] is None else json.loads(r["result"]), error=r["error"],
+               created_at=_dt(r["created_at"]), updated_at=_dt(r["updated_at"]))  # type: ignore[arg-type]
+
+
+def scope_key(scope: Scope) -> str:
+    return json.dumps([scope.user_id, scope.agent_id, scope.session_id])
+
+
+def _session_values(sess: Session) -> list[Any]:
+    s = sess.scope
+    return [scope_key(s), s.user_id, s.agent_id, s.session_id,
+            json.dumps(sess.policy, ensure_ascii=False), sess.summary, sess.summary_upto,
+            json.dumps(sess.state, ensure_ascii=False), json.dumps(sess.metadata, ensure_ascii=False),
+            _ts(sess.created_at), _ts(sess.updated_at), _ts(sess.ended_at)]
+
+
+def _row_to_session(row: Sequence[Any]) -> Session:
+    r = dict(zip(_SESSION_COLUMNS, row, strict=True))
+    return Session(scope=Scope(r["user_id"], r["agent_id"], r["session_id"]),
+                   policy=json.loads(r["policy"]), summary=r["summary"],
+                   summary_upto=r["summary_upto"], state=json.loads(r["state"]),
+                   metadata=json.loads(r["metadata"]),
+                   created_at=_dt(r["created_at"]), updated_at=_dt(r["updated_at"]),  # type: ignore[arg-type]
+                   ended_at=_dt(r["ended_at"]))
 
 
 def owner_tokens(scope: Scope) -> list[str]:
@@ -696,6 +770,53 @@ class SQLiteStore:
             for mid in chunk:
                 yield records[mid], self.events(mid)
 
+    # -- jobs and sessions ---------------------------------------------------------------------
+
+    def job(self, id: str) -> Job | None:
+        rows = self._read(f"SELECT {', '.join(_JOB_COLUMNS)} FROM jobs WHERE id = ?", (id,))
+        return _row_to_job(rows[0]) if rows else None
+
+    def job_by_key(self, key: str) -> Job | None:
+        rows = self._read(f"SELECT {', '.join(_JOB_COLUMNS)} FROM jobs WHERE key = ?", (key,))
+        return _row_to_job(rows[0]) if rows else None
+
+    def jobs(self, scope: Scope, *, status: str | None = None, limit: int = 50) -> list[Job]:
+        sql, params = _scope_sql(scope)
+        if status is not None:
+            sql.append("m.status = ?")
+            params.append(status)
+        where = " AND ".join(sql) or "1"
+        rows = self._read(f"SELECT {', '.join('m.' + c for c in _JOB_COLUMNS)} FROM jobs m "
+                          f"WHERE {where} ORDER BY m.id DESC LIMIT ?", [*params, limit])
+        return [_row_to_job(r) for r in rows]
+
+    def claim_job(self, now: datetime, lease_until: datetime) -> Job | None:
+        with self.write() as tx:  # BEGIN IMMEDIATE: one claimer at a time across processes
+            rows = tx.conn.execute(
+                f"SELECT {', '.join(_JOB_COLUMNS)} FROM jobs WHERE (status = 'queued' AND run_at <= ?)"
+                " OR (status = 'running' AND lease_until <= ?) ORDER BY run_at, id LIMIT 1",
+                (now.timestamp(), now.timestamp())).fetchall()
+            if not rows:
+                return None
+            job = _row_to_job(rows[0])
+            claimed = replace(job, status=JobStatus.RUNNING, attempts=job.attempts + 1,
+                              lease_until=lease_until, updated_at=now)
+            tx.put_job(claimed)
+        return claimed
+
+    def session(self, scope: Scope) -> Session | None:
+        rows = self._read(f"SELECT {', '.join(_SESSION_COLUMNS)} FROM sessions WHERE scope_key = ?",
+                          (scope_key(scope),))
+        return _row_to_session(rows[0]) if rows else None
+
+    def sessions(self, scope: Scope, *, limit: int = 50) -> list[Session]:
+        sql, params = _scope_sql(scope)
+        where = " AND ".join(sql) or "1"
+        rows = self._read(f"SELECT {', '.join('m.' + c for c in _SESSION_COLUMNS)} FROM sessions m "
+                          f"WHERE {where} ORDER BY m.updated_at DESC, m.scope_key LIMIT ?",
+                          [*params, limit])
+        return [_row_to_session(r) for r in rows]
+
     def reclaim(self) -> None:
         conn = self._conn()
         try:
@@ -776,6 +897,29 @@ class _SQLiteTx:
              json.dumps(event.before, ensure_ascii=False) if event.before is not None else None,
              json.dumps(event.after, ensure_ascii=False) if event.after is not None else None,
              event.reason))
+
+
+    def put_job(self, job: Job) -> None:
+        try:
+            self.conn.execute(f"INSERT INTO jobs ({', '.join(_JOB_COLUMNS)}) VALUES "
+                              f"({', '.join('?' * len(_JOB_COLUMNS))}) ON CONFLICT(id) DO UPDATE SET "
+                              + ", ".join(f"{c} = excluded.{c}" for c in _JOB_COLUMNS[1:]),
+                              _job_values(job))
+        except sqlite3.IntegrityError as exc:
+            raise Conflict(f"idempotency key {job.key!r} is already used by another job") from exc
+
+    def put_session(self, session: Session) -> None:
+        self.conn.execute(f"INSERT OR REPLACE INTO sessions ({', '.join(_SESSION_COLUMNS)}) VALUES "
+                          f"({', '.join('?' * len(_SESSION_COLUMNS))})", _session_values(session))
+
+    def delete_session(self, scope: Scope) -> None:
+        self.conn.execute("DELETE FROM sessions WHERE scope_key = ?", (scope_key(scope),))
+
+    def erase_scope(self, scope: Scope) -> None:
+        sql, params = _scope_sql(scope)
+        where = " AND ".join(sql) or "1"
+        self.conn.execute(f"DELETE FROM sessions AS m WHERE {where}", params)
+        self.conn.execute(f"DELETE FROM jobs AS m WHERE {where}", params)
 
 
 def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
