@@ -42,6 +42,8 @@ class Config:
     llm_structured: str = "auto"            # auto | json_schema | json_object_schema | json_object | prompt
     llm_retries: int = 2                    # extra tries after a transport error (with backoff)
     llm_output_retries: int = 2             # extra tries after a reply that fails validation
+    worker: str = "thread"                  # thread: run background jobs in-process; off: `engram worker`
+    job_retries: int = 3                    # extra tries of a failed background job (with backoff)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Config:
@@ -58,6 +60,7 @@ class Config:
             ("llm_api_key", "ENGRAM_LLM_API_KEY"),
             ("llm_model", "ENGRAM_LLM_MODEL"),
             ("llm_structured", "ENGRAM_LLM_STRUCTURED"),
+            ("worker", "ENGRAM_WORKER"),
         ):
             if env.get(key):
                 values[name] = env[key]
@@ -70,6 +73,7 @@ class Config:
             ("llm_timeout_s", "ENGRAM_LLM_TIMEOUT", float),
             ("llm_retries", "ENGRAM_LLM_RETRIES", int),
             ("llm_output_retries", "ENGRAM_LLM_OUTPUT_RETRIES", int),
+            ("job_retries", "ENGRAM_JOB_RETRIES", int),
         ):
             if env.get(key):
                 try:
@@ -99,6 +103,10 @@ class Config:
             raise InvalidInput("llm_timeout_s must be positive")
         if self.llm_retries < 0 or self.llm_output_retries < 0:
             raise InvalidInput("llm_retries and llm_output_retries must be >= 0")
+        if self.worker not in ("thread", "off"):
+            raise InvalidInput("worker must be 'thread' or 'off'")
+        if self.job_retries < 0:
+            raise InvalidInput("job_retries must be >= 0")
         if self.llm_structured not in LLM_STRUCTURED:
             raise InvalidInput(f"llm_structured must be one of {', '.join(LLM_STRUCTURED)}")
         return self

@@ -8,24 +8,29 @@ events. `AsyncMemory` runs the very same code in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
-from datetime import UTC, datetime
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
 from .config import Config
-from .errors import EngramError, InvalidImport, InvalidInput, NotFound
+from .errors import Conflict, EngramError, InvalidImport, InvalidInput, NotFound, ProviderError
 from .filters import parse_filters
 from .model import (
     AddResult,
     Event,
     EventType,
     Hit,
+    Job,
+    JobStatus,
     Kind,
     MemoryRecord,
     Message,
@@ -36,9 +41,11 @@ from .model import (
     utcnow,
 )
 from .pipeline import consolidate, forget
+from .pipeline import extract as extraction
 from .pipeline.retrieve import RetrievalConfig, fuse, get_preset, rank
 from .pipeline.text import content_hash, terms
 from .providers.embedders import Embedder, get_embedder
+from .providers.llms import LLM, get_llm
 from .store import Key, Lexical, Query, Stats, Store, open_store
 
 log = logging.getLogger("engram.memory")
@@ -53,11 +60,15 @@ class _Unset:
 # Aliases: inside the classes below, `list` names the method.
 Hits = list[Hit]
 Events = list[Event]
+builtins_list = list
 
 UNSET: Any = _Unset()  # "not given", as opposed to an explicit None
 MAX_ID_CHARS = 256
 MAX_LIMIT = 1000
 WINDOW = 3  # turns in an episode's `window` key: itself and the two before it
+EXTRACT_BATCH = 20  # messages per extraction call
+RELATED = 5  # existing memories a new fact is compared with
+JOB_LEASE_S = 300  # a claimed job whose worker died is run again after this
 EXPORT_FORMAT = "engram-export"
 EXPORT_VERSION = 1
 
@@ -68,7 +79,7 @@ class Memory:
     def __init__(self, path: str | Path | None = None, *, config: Config | None = None,
                  embedder: Embedder | None = None, store: Store | None = None,
                  retrieval: str | RetrievalConfig | None = None,
-                 tenant: str | None = None) -> None:
+                 tenant: str | None = None, llm: LLM | None = UNSET) -> None:
         """`tenant` isolates a service tenant's data (see `store.open_store`); libraries and
         single-user apps leave it None."""
         self.config = config or Config.from_env(path=path)
@@ -81,8 +92,15 @@ class Memory:
         self.embedder = embedder or get_embedder(self.config.embedder)
         preset = retrieval or self.config.retrieval
         self.retrieval = get_preset(preset) if isinstance(preset, str) else preset
+        self.llm: LLM | None = get_llm(self.config) if llm is UNSET else llm
+        self._worker: threading.Thread | None = None
+        self._worker_lock = threading.Lock()
+        self._stop = threading.Event()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join(timeout=self.config.llm_timeout_s)
         self.store.close()
 
     def __enter__(self) -> Memory:
@@ -97,27 +115,61 @@ class Memory:
             user_id: str | None = None, agent_id: str | None = None,
             session_id: str | None = None, metadata: Mapping[str, Any] | None = None,
             observed_at: datetime | None = None, infer: bool = True, kind: str | Kind | None = None,
-            importance: float | None = None, expires_at: datetime | None = None) -> AddResult:
+            importance: float | None = None, expires_at: datetime | None = None,
+            background: bool = False, idempotency_key: str | None = None) -> AddResult:
         """Store messages (episodes) or facts (`kind="semantic"` / `"procedural"`).
 
-        With no LLM configured, `infer=True` and `infer=False` both store each message as given;
-        facts are consolidated (exact duplicates add nothing, near-duplicates merge).
+        Messages are always kept as episodes. With an LLM configured and `infer=True`, durable
+        facts are also extracted from them and consolidated against what is known (ADD, UPDATE,
+        MERGE, NOOP, or SUPERSEDE: the old fact is closed, not deleted). With no LLM, or when the
+        LLM fails, only the episodes are stored and `AddResult.notes` says why. Facts given
+        directly are deduplicated (exact duplicates add nothing, near-duplicates merge).
+
+        `background=True` validates, queues a durable job and returns at once (`result.job`);
+        `wait(job.id)` gives the outcome. The same `idempotency_key` never does the work twice:
+        a retry returns the first result, a different request under the same key is a `Conflict`.
         """
-        scope = _scope(user_id, agent_id, session_id)
-        the_kind = _kind(kind) or Kind.EPISODIC
-        base_meta = _metadata(metadata)
-        when = _time(observed_at, "observed_at")
-        expiry = _time(expires_at, "expires_at")
-        weight = _importance(importance)
+        req = self._add_request(messages, _scope(user_id, agent_id, session_id), metadata,
+                                observed_at, infer, kind, importance, expires_at)
+        if not isinstance(background, bool):
+            raise InvalidInput("background must be a bool")
+        key = None if idempotency_key is None else _id(idempotency_key, "idempotency_key")
+        if background:
+            return AddResult(memories=[], events=[],
+                             job=self._enqueue("add", req.scope, req.payload(), key))
+        if key is not None:
+            known = self._replay(key, req.fingerprint())
+            if known is not None:
+                return known
+        try:
+            return self._add(req, key=key)
+        except Conflict:  # another writer took the key meanwhile: its result is ours
+            known = self._replay(key or "", req.fingerprint())
+            if known is None:
+                raise
+            return known
+
+    def _add_request(self, messages: Any, scope: Scope, metadata: Any, observed_at: Any,
+                     infer: Any, kind: Any, importance: Any, expires_at: Any) -> _AddRequest:
         if not isinstance(infer, bool):
             raise InvalidInput("infer must be a bool")
-        msgs = [self._message(m) for m in _as_list(messages)]
-        now = utcnow()
-        records = [self._record(m, scope, the_kind, base_meta, when, weight, expiry, now)
-                   for m in msgs]
+        return _AddRequest(
+            messages=tuple(self._message(m) for m in _as_list(messages)), scope=scope,
+            kind=_kind(kind) or Kind.EPISODIC, metadata=_metadata(metadata),
+            observed_at=_time(observed_at, "observed_at"), importance=_importance(importance),
+            expires_at=_time(expires_at, "expires_at"), infer=infer)
 
-        # Embed before the transaction: the write lock is held for milliseconds, not model time.
+    def _add(self, req: _AddRequest, *, key: str | None = None, job: Job | None = None) -> AddResult:
+        now = utcnow()
+        records = [self._record(m, req.scope, req.kind, req.metadata, req.observed_at,
+                                req.importance, req.expires_at, now) for m in req.messages]
+        # Model time (embedding, LLM) before the transaction: the write lock is held for
+        # milliseconds.
         index = self._index(records)
+        notes: list[str] = []
+        learned: list[_Learned] = []
+        if req.infer and req.kind is Kind.EPISODIC:
+            learned = self._learn(records, req.scope, extraction.EXTRACT, now, notes)
         with self.store.write() as tx:
             # Reads first (neighbours for consolidation), writes after.
             neighbours = {r.id: self._neighbours(r, index[r.id][0][0].vector, now)
@@ -152,15 +204,356 @@ class Memory:
                         stored.append(merged)
                     log.info("merged into %s: %s", merged.id, decision.reason)
                 else:
+                    reason = decision.reason
+                    if rec.kind is Kind.EPISODIC and notes:
+                        reason = f"{reason}; {'; '.join(notes)}"  # the history says why no facts
                     tx.insert(rec, *index[rec.id])
-                    ev = _event(EventType.ADD, rec, now, after=rec, reason=decision.reason)
+                    ev = _event(EventType.ADD, rec, now, after=rec, reason=reason)
                     batch.append((rec, vec))
                     stored.append(rec)
-                    log.info("added %s %s in %s", rec.kind.value, rec.id, scope)
+                    log.info("added %s %s in %s", rec.kind.value, rec.id, req.scope)
                 tx.append(ev)
                 events.append(ev)
-            events += self._evict(tx, scope, now)
-        return AddResult(memories=stored, events=events)
+            facts, fact_events = self._apply(tx, learned, now)
+            stored += facts
+            events += fact_events
+            events += self._evict(tx, req.scope, now)
+            result = AddResult(memories=stored, events=events, notes=tuple(notes))
+            if key is not None or job is not None:
+                tx.put_job(self._done(job, key, req, result, now))
+        return result
+
+    # -- understanding: extraction and consolidation with an LLM ------------------------------
+
+    def _learn(self, episodes: Sequence[MemoryRecord], scope: Scope, task: extraction.Task,
+               now: datetime, notes: list[str]) -> list[_Learned]:
+        """Extract candidate memories from `episodes` and decide how each joins what is known.
+
+        Runs outside any transaction (it calls the LLM). Failures never lose anything: the
+        episodes are stored anyway, and `notes` records why nothing (or less) was learned.
+        """
+        if self.llm is None:
+            return []
+        fact_scope = scope if scope.user_id is None and scope.agent_id is None \
+            else Scope(scope.user_id, scope.agent_id, None)  # facts outlive the session
+        recent = [r for r in self.store.recent_episodes(scope, 4)[::-1]
+                  if r.id not in {e.id for e in episodes}] if task.context else []
+        session = self.store.session(scope) if scope.session_id else None
+        found: list[extraction.Candidate] = []
+        for i in range(0, len(episodes), EXTRACT_BATCH):
+            chunk = episodes[i:i + EXTRACT_BATCH]
+            try:
+                reply = self.llm.complete(task.prompt(chunk, recent, session.summary if session else ""),
+                                          extraction.Extraction)
+            except ProviderError as exc:
+                notes.append(f"{task.name} failed ({type(exc).__name__}: {exc}); messages kept as episodes")
+                log.warning("%s failed for %d messages: %s", task.name, len(chunk), exc)
+                continue
+            assert reply.parsed is not None
+            found += extraction.candidates(reply.parsed, chunk, recent)
+            recent = list(chunk[-4:])
+        if not found:
+            return []
+        origin = {"extractor": f"{self.llm.name}:{self.llm.model}", "prompt": task.version}
+        facts = []
+        for c in found:
+            kind, why = extraction.trust(c)
+            if why != "ok":
+                log.warning("not stored as a rule: %r (%s)", c.text[:80], why)
+            facts.append(MemoryRecord(
+                id=new_id(), scope=fact_scope, kind=kind, text=c.text,
+                metadata={"origin": {**origin, "source": extraction.source_of(c.source_roles),
+                                     **({"trust": why} if why != "ok" else {})}},
+                importance=c.importance, created_at=now, updated_at=now, observed_at=c.valid_from,
+                valid_from=c.valid_from, provenance=c.sources, content_hash=content_hash(c.text)))
+        index = self._index(facts)
+        related = [self._related(f, index[f.id][0][0].vector, now) for f in facts]
+        plans = self._plans(facts, related, index, notes)
+        texts = {p.fact: p.text for p in plans if p.text and p.action in ("UPDATE", "MERGE")}
+        retext = self._index([replace(facts[i], text=t) for i, t in texts.items()])
+        return [_Learned(f, index[f.id], p, retext.get(f.id)) for f, p in zip(facts, plans, strict=True)]
+
+    def _related(self, fact: MemoryRecord, vector: np.ndarray, now: datetime) -> list[MemoryRecord]:
+        """Current facts of the scope that a new fact may repeat, refine or contradict: found by
+        hybrid search (a contradiction often shares words, not meaning: "lives in Porto" vs
+        "moved to Lisbon" share the subject)."""
+        q = Query(scope=fact.scope, now=now, kinds=(Kind.SEMANTIC, Kind.PROCEDURAL))
+        best = self._rank(fact.text, q, RELATED, vector)
+        found = self.store.get([mid for mid, _, _ in best])
+        return [found[mid] for mid, _, _ in best if mid in found]
+
+    def _plans(self, facts: list[MemoryRecord], related: list[list[MemoryRecord]],
+               index: dict[str, tuple[list[Key], Lexical]], notes: list[str]) -> list[consolidate.Plan]:
+        if not any(related):
+            return [consolidate.Plan(i, "ADD", None, None, "new: no related memory")
+                    for i in range(len(facts))]
+        assert self.llm is not None
+        messages, local = consolidate.decide_prompt([f.text for f in facts], related)
+        try:
+            reply = self.llm.complete(messages, consolidate.LLMDecisions)
+            assert reply.parsed is not None
+            return consolidate.plans(reply.parsed, len(facts), local, related)
+        except ProviderError as exc:
+            notes.append(f"consolidation by the LLM failed ({type(exc).__name__}); "
+                         "facts deduplicated without it")
+            log.warning("consolidation failed, deduplicating without the LLM: %s", exc)
+        out = []
+        for i, f in enumerate(facts):
+            vec = index[f.id][0][0].vector
+            near = [(m, float(np.dot(vec, self._vector(m)))) for m in related[i]]
+            d = consolidate.decide(f, near, threshold=self.config.dedupe_threshold,
+                                   min_overlap=self.config.dedupe_min_overlap)
+            out.append(consolidate.Plan(i, d.action, d.target, None, d.reason))
+        return out
+
+    def _vector(self, rec: MemoryRecord) -> np.ndarray:
+        return self.embedder.embed_batch([_speaker_text(rec)])[0]
+
+    def _apply(self, tx: Any, learned: Sequence[_Learned], now: datetime,
+               ) -> tuple[list[MemoryRecord], list[Event]]:
+        """Write the planned decisions. A target changed by another writer since the plan was
+        made (deleted, superseded) turns the plan into an ADD: a fact is never dropped."""
+        stored: list[MemoryRecord] = []
+        events: list[Event] = []
+        for item in learned:
+            rec, plan = item.record, item.plan
+            target = None
+            if plan.target is not None:
+                target = self._visible(plan.target.id, now)
+                if target is not None and (target.valid_to is not None or target.superseded_by):
+                    target = None
+            action = plan.action if target is not None else "ADD"
+            if action == "NOOP":
+                assert target is not None
+                stored.append(target)
+                log.info("noop %r: known as %s (%s)", rec.text[:60], target.id, plan.reason)
+                continue
+            if action in ("UPDATE", "MERGE"):
+                assert target is not None
+                merged = consolidate.merge(target, rec, now)
+                keys = None
+                if item.retext is not None:
+                    merged = replace(merged, text=plan.text or merged.text,
+                                     content_hash=content_hash(plan.text or merged.text))
+                    keys = item.retext
+                elif merged.text == rec.text:
+                    keys = item.index
+                merged = replace(merged, provenance=tuple(dict.fromkeys(
+                    (*target.provenance, *rec.provenance))))
+                tx.update(merged, *(keys or (None, None)))
+                ev = _event(EventType(action), merged, now, before=target, after=merged,
+                            reason=plan.reason)
+                tx.append(ev)
+                events.append(ev)
+                stored.append(merged)
+                continue
+            if action == "SUPERSEDE":
+                assert target is not None
+                old, new = consolidate.supersede(target, rec, now)
+                closed = old if old.valid_to is not None and old is not target else new
+                if old is not target:
+                    tx.update(old)
+                tx.insert(new, *item.index)
+                for ev in (_event(EventType.ADD, new, now, after=new, reason=plan.reason),
+                           _event(EventType.SUPERSEDE, closed, now,
+                                  before=target if closed is old else None, after=closed,
+                                  reason=(plan.reason if closed is old else
+                                          f"arrived late: held before {target.id}; {plan.reason}"))):
+                    tx.append(ev)
+                    events.append(ev)
+                stored.append(new)
+                continue
+            tx.insert(rec, *item.index)
+            ev = _event(EventType.ADD, rec, now, after=rec, reason=plan.reason)
+            tx.append(ev)
+            events.append(ev)
+            stored.append(rec)
+        return stored, events
+
+    def extract(self, *, user_id: str | None = None, agent_id: str | None = None,
+                session_id: str | None = None) -> AddResult:
+        """Run extraction and consolidation over the stored episodes of a scope (e.g. at the end
+        of a session whose messages were added with `infer=False`). No LLM: nothing to do."""
+        return self._learn_from(_scope(user_id, agent_id, session_id), extraction.EXTRACT, limit=None)
+
+    def reflect(self, *, user_id: str | None = None, agent_id: str | None = None,
+                session_id: str | None = None, limit: int = 50) -> AddResult:
+        """Synthesise lessons (procedural) and insights (semantic) from the most recent episodes
+        of a scope, stored with their source episodes as provenance.
+
+        Rules are only kept when they come from the user's own words (see `extraction.trust`). No
+        LLM: nothing is synthesised and `notes` says so.
+        """
+        return self._learn_from(_scope(user_id, agent_id, session_id), extraction.REFLECT,
+                                limit=_limit(limit))
+
+    def _learn_from(self, scope: Scope, task: extraction.Task, limit: int | None) -> AddResult:
+        if self.llm is None:
+            return AddResult(memories=[], events=[], notes=("no LLM configured: nothing to learn",))
+        now = utcnow()
+        q = Query(scope=scope, now=now, kinds=(Kind.EPISODIC,))
+        episodes: list[MemoryRecord] = []
+        cursor = None
+        while page := self.store.select(q, after_id=cursor, limit=500):
+            episodes += page
+            cursor = page[-1].id
+            if limit is not None:
+                episodes = episodes[-limit:]
+        episodes.sort(key=lambda r: (r.observed_at or r.created_at, r.id))
+        by_scope: dict[Scope, list[MemoryRecord]] = {}
+        for e in episodes:
+            by_scope.setdefault(e.scope, []).append(e)
+        notes: list[str] = []
+        learned = [item for s, eps in by_scope.items() for item in self._learn(eps, s, task, now, notes)]
+        with self.store.write() as tx:
+            stored, events = self._apply(tx, learned, now)
+        return AddResult(memories=stored, events=events, notes=tuple(notes))
+
+    # -- background jobs ---------------------------------------------------------------------
+
+    def _enqueue(self, kind: str, scope: Scope, payload: dict[str, Any], key: str | None) -> Job:
+        fingerprint = _fingerprint(kind, payload)
+        now = utcnow()
+        if key is not None:
+            known = self.store.job_by_key(key)
+            if known is not None:
+                if known.fingerprint != fingerprint:
+                    raise Conflict(f"idempotency key {key!r} was used for a different request")
+                return known
+        job = Job(id=new_id(), kind=kind, scope=scope, payload=payload, status=JobStatus.QUEUED,
+                  created_at=now, updated_at=now, run_at=now, key=key, fingerprint=fingerprint)
+        try:
+            with self.store.write() as tx:
+                tx.put_job(job)
+        except Conflict:
+            known = self.store.job_by_key(key or "")
+            if known is None or known.fingerprint != fingerprint:
+                raise
+            return known
+        log.info("queued %s job %s", kind, job.id)
+        self._start_worker()
+        return job
+
+    def _replay(self, key: str, fingerprint: str) -> AddResult | None:
+        """The result of an earlier request with this idempotency key, or None if there was none
+        (or it failed, so doing it again is right)."""
+        job = self.store.job_by_key(key)
+        if job is None:
+            return None
+        if job.fingerprint != fingerprint:
+            raise Conflict(f"idempotency key {key!r} was used for a different request")
+        if job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
+            job = self.wait(job.id)
+        if job.status is not JobStatus.DONE or job.result is None:
+            return None
+        return self._result(job.result)
+
+    def _result(self, result: Mapping[str, Any]) -> AddResult:
+        ids = list(result.get("memories", []))
+        found = self.store.get(ids)
+        wanted = set(result.get("events", []))
+        events = [e for mid in dict.fromkeys(ids) for e in self.store.events(mid) if e.id in wanted]
+        return AddResult(memories=[found[i] for i in ids if i in found], events=events,
+                         notes=tuple(result.get("notes", [])))
+
+    def _done(self, job: Job | None, key: str | None, req: _AddRequest, result: AddResult,
+              now: datetime) -> Job:
+        summary = {"memories": [m.id for m in result.memories], "events": [e.id for e in result.events],
+                   "notes": list(result.notes)}
+        if job is None:
+            payload = req.payload()
+            job = Job(id=new_id(), kind="add", scope=req.scope, payload=payload,
+                      status=JobStatus.DONE, created_at=now, updated_at=now, run_at=now, attempts=1,
+                      key=key, fingerprint=_fingerprint("add", payload))
+        return replace(job, status=JobStatus.DONE, result=summary, error=None, updated_at=now,
+                       lease_until=None)
+
+    def job(self, id: str) -> Job:
+        """A background job by id (NotFound if unknown)."""
+        found = self.store.job(_id(id))
+        if found is None:
+            raise NotFound(f"no job with id {id!r}")
+        return found
+
+    def jobs(self, *, user_id: str | None = None, agent_id: str | None = None,
+             session_id: str | None = None, status: str | JobStatus | None = None,
+             limit: int = 50) -> builtins_list[Job]:
+        """Background jobs of a scope, newest first."""
+        if status is not None:
+            try:
+                status = JobStatus(status)
+            except ValueError:
+                raise InvalidInput(f"status must be one of {[s.value for s in JobStatus]}") from None
+        return self.store.jobs(_scope(user_id, agent_id, session_id),
+                               status=None if status is None else status.value, limit=_limit(limit))
+
+    def wait(self, job_id: str, timeout: float | None = None) -> Job:
+        """Block until a job is done or failed (running it in this process if no worker is
+        running), or until `timeout` seconds pass; returns the job as it then is."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job = self.job(job_id)
+        self._start_worker()
+        delay = 0.01
+        while job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+            job = self.job(job_id)
+        return job
+
+    def work(self, *, until_idle: bool = False, stop: threading.Event | None = None,
+             poll_s: float = 0.5) -> int:
+        """Run queued jobs (this is what `engram worker` and the in-process worker do); returns
+        how many ran. Many workers, in many processes, can share one database."""
+        stop = stop or threading.Event()
+        ran = 0
+        while not stop.is_set():
+            now = utcnow()
+            job = self.store.claim_job(now, now + timedelta(seconds=JOB_LEASE_S))
+            if job is None:
+                if until_idle:
+                    break
+                stop.wait(poll_s)
+                continue
+            self._run(job)
+            ran += 1
+        return ran
+
+    def _run(self, job: Job) -> None:
+        try:
+            if job.kind == "add":
+                self._add(_AddRequest.from_payload(job.payload), key=job.key, job=job)
+                return
+            scope = job.scope
+            task = extraction.REFLECT if job.kind == "reflect" else extraction.EXTRACT
+            result = self._learn_from(scope, task, job.payload.get("limit"))
+            with self.store.write() as tx:
+                tx.put_job(replace(job, status=JobStatus.DONE, updated_at=utcnow(), lease_until=None,
+                                   result={"memories": [m.id for m in result.memories],
+                                           "events": [e.id for e in result.events],
+                                           "notes": list(result.notes)}))
+        except Exception as exc:  # a job must end in a state, whatever went wrong
+            now = utcnow()
+            final = isinstance(exc, InvalidInput | NotFound) or job.attempts > self.config.job_retries
+            status = JobStatus.FAILED if final else JobStatus.QUEUED
+            retry = now + timedelta(seconds=min(2 ** job.attempts, 60))
+            log.warning("job %s (%s) attempt %d failed: %r%s", job.id, job.kind, job.attempts, exc,
+                        "" if final else f"; retrying at {retry:%H:%M:%S}")
+            with self.store.write() as tx:
+                tx.put_job(replace(job, status=status, error=f"{type(exc).__name__}: {exc}",
+                                   run_at=retry, lease_until=None, updated_at=now))
+
+    def _start_worker(self) -> None:
+        """The in-process worker thread (ENGRAM_WORKER=thread, the default), started on demand;
+        with ENGRAM_WORKER=off, jobs wait for `engram worker`."""
+        if self.config.worker != "thread":
+            return
+        with self._worker_lock:
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self.work, kwargs={"stop": self._stop},
+                                                name="engram-worker", daemon=True)
+                self._worker.start()
 
     def _message(self, m: str | Mapping[str, Any]) -> Message:
         if isinstance(m, str):
@@ -399,14 +792,24 @@ class Memory:
         """Hybrid search: dense + lexical candidates, fused, adjusted; each hit explains itself."""
         text = self._text(query)
         q = self._query(user_id, agent_id, session_id, filters, kinds, as_of)
-        limit = _limit(limit)
+        best = self._rank(text, q, _limit(limit))
+        records = self.store.get([mid for mid, _, _ in best])
+        hits = [Hit(records[mid], score, explain) for mid, score, explain in best]
+        self.store.touch([h.memory.id for h in hits], q.now)
+        if log.isEnabledFor(logging.DEBUG):
+            for h in hits:
+                log.debug("search %r -> %s %.3f %s", text[:80], h.memory.id, h.score, h.explain)
+        return hits
+
+    def _rank(self, text: str, q: Query, limit: int, vector: np.ndarray | None = None,
+              ) -> builtins_list[tuple[str, float, dict[str, float]]]:
+        """Candidates per retriever, then fused and ranked on light rows (ids, scores, why)."""
         cfg = self.retrieval
         n = max(cfg.candidates, limit)
-        # Candidates per retriever, then fused and ranked on light rows; full records only for
-        # the hits returned.
-        ranked: dict[str, list[tuple[str, float]]] = {}
+        ranked: dict[str, builtins_list[tuple[str, float]]] = {}
         if cfg.dense_weight or cfg.window_weight:
-            vector = self.embedder.embed_batch([text])[0]
+            if vector is None:
+                vector = self.embedder.embed_batch([text])[0]
             for label, key, w in (("dense", "text", cfg.dense_weight),
                                   ("window", "window", cfg.window_weight)):
                 if w:
@@ -415,14 +818,7 @@ class Memory:
             ranked["lexical"] = self.store.lexical(q, terms(text), n, cfg.context_weight)
         fused = fuse(ranked, {"dense": cfg.dense_weight, "window": cfg.window_weight,
                               "lexical": cfg.lexical_weight}, cfg)
-        best = rank(fused, self.store.candidates(list(fused)), text, cfg, q.as_of or q.now)[:limit]
-        records = self.store.get([mid for mid, _, _ in best])
-        hits = [Hit(records[mid], score, explain) for mid, score, explain in best]
-        self.store.touch([h.memory.id for h in hits], q.now)
-        if log.isEnabledFor(logging.DEBUG):
-            for h in hits:
-                log.debug("search %r -> %s %.3f %s", text[:80], h.memory.id, h.score, h.explain)
-        return hits
+        return rank(fused, self.store.candidates(list(fused)), text, cfg, q.as_of or q.now)[:limit]
 
     def history(self, id: str) -> Events:
         """Every event of a memory, oldest first (also for deleted and erased ids)."""
@@ -538,6 +934,21 @@ class AsyncMemory:
     async def import_(self, path: str | Path, **kwargs: Any) -> int:
         return await self._run(self.sync.import_, path, **kwargs)
 
+    async def extract(self, **kwargs: Any) -> AddResult:
+        return await self._run(self.sync.extract, **kwargs)
+
+    async def reflect(self, **kwargs: Any) -> AddResult:
+        return await self._run(self.sync.reflect, **kwargs)
+
+    async def job(self, id: str) -> Job:
+        return await self._run(self.sync.job, id)
+
+    async def jobs(self, **kwargs: Any) -> builtins_list[Job]:
+        return await self._run(self.sync.jobs, **kwargs)
+
+    async def wait(self, job_id: str, timeout: float | None = None) -> Job:
+        return await self._run(self.sync.wait, job_id, timeout)
+
     async def close(self) -> None:
         await self._run(self.sync.close)
 
@@ -546,6 +957,63 @@ class AsyncMemory:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+@dataclass(frozen=True)
+class _AddRequest:
+    """A validated `add` call: what a background job stores and runs later."""
+
+    messages: tuple[Message, ...]
+    scope: Scope
+    kind: Kind
+    metadata: dict[str, Any]
+    observed_at: datetime | None
+    importance: float
+    expires_at: datetime | None
+    infer: bool
+
+    def payload(self) -> dict[str, Any]:
+        def t(value: datetime | None) -> str | None:
+            return None if value is None else value.isoformat()
+        return {
+            "messages": [{"content": m.content, "role": m.role, "name": m.name,
+                          "observed_at": t(m.observed_at), "metadata": dict(m.metadata)}
+                         for m in self.messages],
+            "scope": self.scope.as_dict(), "kind": self.kind.value, "metadata": self.metadata,
+            "observed_at": t(self.observed_at), "importance": self.importance,
+            "expires_at": t(self.expires_at), "infer": self.infer,
+        }
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> _AddRequest:
+        s = d["scope"]
+        return cls(
+            messages=tuple(Message(content=m["content"], role=m["role"], name=m["name"],
+                                   observed_at=_time(m["observed_at"], "observed_at"),
+                                   metadata=m["metadata"]) for m in d["messages"]),
+            scope=Scope(s["user_id"], s["agent_id"], s["session_id"]), kind=Kind(d["kind"]),
+            metadata=d["metadata"], observed_at=_time(d["observed_at"], "observed_at"),
+            importance=d["importance"], expires_at=_time(d["expires_at"], "expires_at"),
+            infer=d["infer"])
+
+    def fingerprint(self) -> str:
+        return _fingerprint("add", self.payload())
+
+
+@dataclass(frozen=True)
+class _Learned:
+    """An extracted memory with its index and the plan for it (and the index of its new text
+    when the plan rewrites the target's)."""
+
+    record: MemoryRecord
+    index: tuple[list[Key], Lexical]
+    plan: consolidate.Plan
+    retext: tuple[list[Key], Lexical] | None = field(default=None)
+
+
+def _fingerprint(kind: str, payload: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps([kind, payload], sort_keys=True, ensure_ascii=False)
+                          .encode()).hexdigest()
 
 
 def _configure_logging(level: str) -> None:

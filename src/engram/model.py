@@ -129,6 +129,8 @@ class AddResult:
 
     memories: list[MemoryRecord]
     events: list[Event]
+    notes: tuple[str, ...] = ()     # why less was learned than asked (no LLM, LLM failed, ...)
+    job: Job | None = None          # with background=True: the queued job; memories come later
 
 
 @dataclass(frozen=True)
