@@ -1,0 +1,147 @@
+"""The REST service: `create_app(config)` builds a FastAPI app over one `Memory` per tenant.
+
+    engram serve                  # API keys required (engram keys create --tenant acme)
+    engram serve --no-auth        # local single-user use: no keys, the default database
+
+Layers, outermost first: metrics (latency per route), the body size limit (413), FastAPI
+(auth, rate limit and the tenant's `Memory` in one dependency; errors mapped to JSON).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..config import Config
+from ..errors import EngramError
+from ..providers.embedders import Embedder, get_embedder
+from ..store.keys import KeyStore, open_key_store
+from .auth import Authenticator
+from .errors import ServiceError, error_response, from_engram_error, validation_message
+from .limits import BodyLimitMiddleware, ServiceLimits
+from .metrics import Metrics, MetricsMiddleware
+from .ratelimit import RateLimiter
+from .routes import router
+from .schemas import ErrorOut, HealthOut
+from .tenants import Tenants
+
+log = logging.getLogger("engram.server")
+
+
+def create_app(config: Config | None = None, *, auth: bool = True, embedder: Embedder | None = None,
+               keys: KeyStore | None = None, limits: ServiceLimits | None = None,
+               mcp: bool = True) -> FastAPI:
+    """The service app. `embedder` is shared by every tenant (default: the configured one);
+    `keys` defaults to the key store beside the database; `auth=False` serves the single-user
+    database to anyone who can reach the port."""
+    config = config or Config.from_env()
+    limits = limits or ServiceLimits()
+    embedder = embedder or get_embedder(config.embedder)
+    own_keys = auth and keys is None
+    key_store = (keys or open_key_store(config)) if auth else None
+    tenants = Tenants(config, embedder)
+    metrics = Metrics(tenants)
+    mcp_app = _mcp_app(tenants) if mcp else None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            if mcp_app is not None:
+                async with mcp_app.lifespan():
+                    yield
+            else:
+                yield
+        finally:
+            tenants.close()
+            if own_keys and key_store is not None:
+                key_store.close()
+
+    app = FastAPI(
+        title="engram", version=__version__, lifespan=lifespan,
+        summary="Long-term memory for LLM agents: memories, sessions and context over HTTP.",
+        description="Every /v1 route needs `Authorization: Bearer <API key>` (unless the service "
+                    "runs with --no-auth). Errors are `{\"error\": {\"code\", \"message\"}}`.")
+    app.state.config = config
+    app.state.tenants = tenants
+    app.state.auth = Authenticator(key_store)
+    app.state.limiter = RateLimiter(limits.rate, limits.burst)
+    app.state.metrics = metrics
+    app.include_router(router)
+    _add_probes(app, key_store, tenants)
+    _add_error_handlers(app)
+    if mcp_app is not None:
+        app.mount("/mcp", mcp_app.asgi(app.state.auth, app.state.limiter))
+    # Outermost last: the body limit wraps FastAPI, the metrics wrap everything.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app
+
+
+def _add_probes(app: FastAPI, key_store: KeyStore | None, tenants: Tenants) -> None:
+    @app.get("/health", response_model=HealthOut, tags=["ops"])
+    def health() -> Any:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/ready", response_model=HealthOut, tags=["ops"],
+             responses={503: {"model": ErrorOut, "description": "The database cannot be reached"}})
+    def ready() -> Any:
+        """Readiness: the database answers (the key store with auth, else the default database)."""
+        if key_store is not None:
+            key_store.ping()
+        else:
+            tenants.get(None).stats()
+        return {"status": "ok"}
+
+    @app.get("/metrics", tags=["ops"], response_class=Response,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
+    async def metrics() -> Response:
+        body, content_type = await run_in_threadpool(app.state.metrics.render)
+        return Response(body, media_type=content_type)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(EngramError)
+    async def engram_error(request: Request, exc: EngramError) -> Response:
+        response = from_engram_error(exc)
+        if response.status_code >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.url.path, response.status_code, exc)
+        return response
+
+    @app.exception_handler(ServiceError)
+    async def service_error(request: Request, exc: ServiceError) -> Response:
+        return error_response(exc.status, exc.code, exc.message, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(422, "invalid_input", validation_message(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal_error", "internal error (logged on the server)")
+
+
+def _mcp_app(tenants: Tenants) -> Any:
+    """The MCP server's streamable HTTP app, if this engram has one (see server/mcp_mount.py)."""
+    import importlib.util
+
+    if importlib.util.find_spec("engram.mcp") is None:
+        return None
+    from .mcp_mount import MCPMount
+
+    return MCPMount.create(tenants)

@@ -1,0 +1,89 @@
+"""The service's error contract: every failure is JSON `{"error": {"code", "message"}}` with a
+stable code, and each engram error maps to the HTTP status that tells a client what to do.
+
+    code                 status  meaning
+    unauthorized         401     no bearer key, or a key that is unknown or revoked
+    forbidden            403     the key's role may not do this (erase, export, import)
+    not_found            404     no such memory / job / session in this tenant (never 403)
+    conflict             409     an Idempotency-Key reused with a different request
+    payload_too_large    413     the request body is over the limit
+    invalid_input        422     bad arguments (engram.errors.InvalidInput, request validation)
+    rate_limited         429     the tenant's request budget is spent; see Retry-After
+    store_busy           503     the database stayed locked; retry after Retry-After
+    store_unavailable    503     the database cannot be reached; retry after Retry-After
+    provider_error       502     the embedder or LLM failed
+    internal_error       500     a bug: logged with its traceback, never shown to the client
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from ..errors import (
+    Conflict,
+    EngramError,
+    InvalidFilter,
+    InvalidInput,
+    NotFound,
+    ProviderError,
+    StoreBusy,
+    StoreError,
+)
+
+STORE_RETRY_AFTER_S = 1  # how long a client should wait before retrying a 503
+
+
+class ServiceError(Exception):
+    """An HTTP-level refusal raised by the service itself (auth, limits), not by `Memory`."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or {}
+
+
+def error_response(status: int, code: str, message: str,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status,
+                        headers=headers)
+
+
+def from_engram_error(exc: EngramError) -> JSONResponse:
+    status, code, headers = classify(exc)
+    return error_response(status, code, str(exc) or type(exc).__name__, headers)
+
+
+def classify(exc: EngramError) -> tuple[int, str, dict[str, str]]:
+    """(HTTP status, stable code, headers) for an engram error."""
+    retry = {"Retry-After": str(STORE_RETRY_AFTER_S)}
+    if isinstance(exc, InvalidFilter):
+        return 422, "invalid_filter", {}
+    if isinstance(exc, InvalidInput):
+        return 422, "invalid_input", {}
+    if isinstance(exc, NotFound):
+        return 404, "not_found", {}
+    if isinstance(exc, Conflict):
+        return 409, "conflict", {}
+    if isinstance(exc, StoreBusy):
+        return 503, "store_busy", retry
+    if isinstance(exc, StoreError):
+        # Whatever the database said (down, disk full, locked), the write was rolled back and
+        # a later retry may succeed: 503 with Retry-After, never a 500.
+        return 503, "store_unavailable", retry
+    if isinstance(exc, ProviderError):
+        return 502, "provider_error", {}
+    return 500, "internal_error", {}
+
+
+def validation_message(errors: list[Any]) -> str:
+    """FastAPI's validation errors as one readable line: `body.limit: ...; query.kind: ...`."""
+    parts = []
+    for err in errors[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more

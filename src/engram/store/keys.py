@@ -1,0 +1,321 @@
+"""API keys of the REST service: which tenant a bearer key belongs to, and with what role.
+
+Only a SHA-256 digest of each key is stored (the key itself is shown once, at creation); a key
+is 32 random bytes, so a fast hash is enough — there is nothing to brute-force. The keys live
+in a small table beside the memories: `keys.db` next to the SQLite default, or the
+`engram_api_keys` table when ENGRAM_DATABASE_URL points at PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..errors import InvalidInput, NotFound, StoreError, StoreUnavailable
+from ..model import utcnow
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+KEY_PREFIX = "engram_"  # makes a leaked key easy to spot (and to grep for) in logs and repos
+MAX_TENANT_CHARS = 128
+MAX_NAME_CHARS = 200
+
+
+class Role(StrEnum):
+    ADMIN = "admin"    # everything, including erase and export of the tenant's data
+    MEMBER = "member"  # read and write memories; no erase, no export
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """A stored key, without its secret: `id` is public (it names the key in lists and logs)."""
+
+    id: str
+    tenant: str
+    role: Role
+    name: str
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "tenant": self.tenant, "role": self.role.value, "name": self.name,
+                "created_at": self.created_at.isoformat(),
+                "revoked_at": self.revoked_at.isoformat() if self.revoked_at else None}
+
+
+class KeyStore(Protocol):
+    def create(self, tenant: str, role: str | Role = Role.MEMBER, name: str = "") -> tuple[ApiKey, str]:
+        """A new key: the stored record, and the secret to hand to the caller (shown once)."""
+
+    def authenticate(self, secret: str) -> ApiKey | None:
+        """The live (not revoked) key with this secret, or None."""
+
+    def list(self, tenant: str | None = None) -> list[ApiKey]: ...
+
+    def revoke(self, id: str) -> ApiKey:
+        """Revoke a key by id (idempotent); NotFound if there is no such key."""
+
+    def ping(self) -> None:
+        """Raise StoreUnavailable unless the database answers (the service's readiness)."""
+
+    def close(self) -> None: ...
+
+
+def open_key_store(config: Config) -> KeyStore:
+    if config.database_url:
+        return PostgresKeyStore(config.database_url)
+    return SQLiteKeyStore(config.path.parent / "keys.db")
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _validate(tenant: Any, role: Any, name: Any) -> tuple[str, Role, str]:
+    if not isinstance(tenant, str) or not tenant.strip() or len(tenant) > MAX_TENANT_CHARS:
+        raise InvalidInput(f"tenant must be a non-empty string of at most {MAX_TENANT_CHARS} characters")
+    if not tenant.isprintable():
+        raise InvalidInput("tenant must be printable text")
+    try:
+        the_role = Role(role)
+    except ValueError:
+        raise InvalidInput(f"role must be one of {[r.value for r in Role]}, not {role!r}") from None
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS or not name.isprintable():
+        raise InvalidInput(f"name must be printable text of at most {MAX_NAME_CHARS} characters")
+    return tenant, the_role, name
+
+
+def _new_key(tenant: str, role: Role, name: str) -> tuple[ApiKey, str]:
+    key_id = secrets.token_hex(6)
+    secret = f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+    return ApiKey(id=key_id, tenant=tenant, role=role, name=name, created_at=utcnow()), secret
+
+
+# -- SQLite ------------------------------------------------------------------------------------
+
+_SQLITE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    digest TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    role TEXT NOT NULL,
+    name TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+)
+"""
+
+
+class SQLiteKeyStore:
+    """Keys in their own SQLite file (the tenants' memories are in other files)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self._tx() as conn:
+                conn.execute(_SQLITE_SCHEMA)
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot open the key store {self.path}: {exc}") from exc
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = sqlite3.connect(self.path, timeout=10, isolation_level=None,
+                                       check_same_thread=False)
+                conn.execute("PRAGMA journal_mode = WAL")
+            except sqlite3.Error as exc:
+                raise StoreUnavailable(f"cannot open the key store {self.path}: {exc}") from exc
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        conn = self._conn()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise StoreError(f"key store write failed: {exc}") from exc
+
+    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        try:
+            return self._conn().execute(sql, params).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreError(f"key store read failed: {exc}") from exc
+
+    def create(self, tenant: str, role: str | Role = Role.MEMBER, name: str = "") -> tuple[ApiKey, str]:
+        tenant, the_role, name = _validate(tenant, role, name)
+        key, secret = _new_key(tenant, the_role, name)
+        with self._tx() as conn:
+            conn.execute("INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, ?, NULL)",
+                         (key.id, digest(secret), tenant, the_role.value, name,
+                          key.created_at.timestamp()))
+        return key, secret
+
+    def authenticate(self, secret: str) -> ApiKey | None:
+        rows = self._read(f"SELECT {_COLUMNS} FROM api_keys WHERE digest = ? AND revoked_at IS NULL",
+                          (digest(secret),))
+        return _row_to_key(rows[0]) if rows else None
+
+    def list(self, tenant: str | None = None) -> list[ApiKey]:
+        if tenant is None:
+            rows = self._read(f"SELECT {_COLUMNS} FROM api_keys ORDER BY created_at, id")
+        else:
+            rows = self._read(f"SELECT {_COLUMNS} FROM api_keys WHERE tenant = ? ORDER BY created_at, id",
+                              (tenant,))
+        return [_row_to_key(r) for r in rows]
+
+    def revoke(self, id: str) -> ApiKey:
+        with self._tx() as conn:
+            conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                         (utcnow().timestamp(), id))
+            rows = conn.execute(f"SELECT {_COLUMNS} FROM api_keys WHERE id = ?", (id,)).fetchall()
+        if not rows:
+            raise NotFound(f"no API key with id {id!r}")
+        return _row_to_key(rows[0])
+
+    def ping(self) -> None:
+        # A fresh connection, not a cached one: an open file handle keeps answering after the
+        # file's directory is gone, and readiness must say whether the database can be reached.
+        try:
+            with closing(sqlite3.connect(f"file:{self.path}?mode=rw", uri=True, timeout=2)) as conn:
+                conn.execute("SELECT count(*) FROM api_keys").fetchone()
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"the key store {self.path} cannot be read: {exc}") from exc
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+        self._local = threading.local()
+
+
+_COLUMNS = "id, tenant, role, name, created_at, revoked_at"
+
+
+def _row_to_key(row: Any) -> ApiKey:
+    created, revoked = row[4], row[5]
+    return ApiKey(id=row[0], tenant=row[1], role=Role(row[2]), name=row[3],
+                  created_at=created if isinstance(created, datetime) else _from_ts(created),
+                  revoked_at=None if revoked is None else
+                  revoked if isinstance(revoked, datetime) else _from_ts(revoked))
+
+
+def _from_ts(value: float) -> datetime:
+    return datetime.fromtimestamp(value, UTC)
+
+
+# -- PostgreSQL --------------------------------------------------------------------------------
+
+_PG_SCHEMA = """
+CREATE TABLE IF NOT EXISTS engram_api_keys (
+    id TEXT PRIMARY KEY,
+    digest TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    role TEXT NOT NULL,
+    name TEXT NOT NULL,
+    created_at TIMESTAMPTZ NOT NULL,
+    revoked_at TIMESTAMPTZ
+)
+"""
+
+
+class PostgresKeyStore:
+    """Keys in a table of the shared PostgreSQL database (every service process sees them)."""
+
+    def __init__(self, url: str, *, connect_timeout_s: float = 5.0) -> None:
+        from psycopg_pool import ConnectionPool
+
+        self.url = url
+        # A small pool; `open=False` then `open(wait=False)`: a service can start while the
+        # database is still down and become ready when it returns.
+        self._pool = ConnectionPool(url, min_size=1, max_size=8, open=False,
+                                    timeout=connect_timeout_s,
+                                    kwargs={"connect_timeout": max(1, int(connect_timeout_s)),
+                                            "autocommit": True})
+        self._pool.open(wait=False)
+        self._schema_ready = False
+
+    @contextmanager
+    def _cursor(self) -> Iterator[Any]:
+        import psycopg
+        from psycopg_pool import PoolTimeout
+
+        try:
+            with self._pool.connection() as conn:
+                if not self._schema_ready:
+                    conn.execute(_PG_SCHEMA)
+                    self._schema_ready = True
+                with conn.cursor() as cur:
+                    yield cur
+        except PoolTimeout as exc:
+            raise StoreUnavailable(f"PostgreSQL cannot be reached: {exc}") from exc
+        except psycopg.OperationalError as exc:
+            raise StoreUnavailable(f"PostgreSQL cannot be reached: {exc}") from exc
+        except psycopg.Error as exc:
+            raise StoreError(f"key store query failed: {exc}") from exc
+
+    def create(self, tenant: str, role: str | Role = Role.MEMBER, name: str = "") -> tuple[ApiKey, str]:
+        tenant, the_role, name = _validate(tenant, role, name)
+        key, secret = _new_key(tenant, the_role, name)
+        with self._cursor() as cur:
+            cur.execute("INSERT INTO engram_api_keys VALUES (%s, %s, %s, %s, %s, %s, NULL)",
+                        (key.id, digest(secret), tenant, the_role.value, name, key.created_at))
+        return key, secret
+
+    def authenticate(self, secret: str) -> ApiKey | None:
+        with self._cursor() as cur:
+            cur.execute(f"SELECT {_COLUMNS} FROM engram_api_keys "
+                        "WHERE digest = %s AND revoked_at IS NULL", (digest(secret),))
+            row = cur.fetchone()
+        return _row_to_key(row) if row else None
+
+    def list(self, tenant: str | None = None) -> list[ApiKey]:
+        with self._cursor() as cur:
+            if tenant is None:
+                cur.execute(f"SELECT {_COLUMNS} FROM engram_api_keys ORDER BY created_at, id")
+            else:
+                cur.execute(f"SELECT {_COLUMNS} FROM engram_api_keys WHERE tenant = %s "
+                            "ORDER BY created_at, id", (tenant,))
+            rows = cur.fetchall()
+        return [_row_to_key(r) for r in rows]
+
+    def revoke(self, id: str) -> ApiKey:
+        with self._cursor() as cur:
+            cur.execute("UPDATE engram_api_keys SET revoked_at = now() "
+                        "WHERE id = %s AND revoked_at IS NULL", (id,))
+            cur.execute(f"SELECT {_COLUMNS} FROM engram_api_keys WHERE id = %s", (id,))
+            row = cur.fetchone()
+        if row is None:
+            raise NotFound(f"no API key with id {id!r}")
+        return _row_to_key(row)
+
+    def ping(self) -> None:
+        with self._cursor() as cur:
+            cur.execute("SELECT 1")
+
+    def close(self) -> None:
+        self._pool.close()
