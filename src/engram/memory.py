@@ -69,6 +69,7 @@ WINDOW = 3  # turns in an episode's `window` key: itself and the two before it
 EXTRACT_BATCH = 20  # messages per extraction call
 RELATED = 5  # existing memories a new fact is compared with
 JOB_LEASE_S = 300  # a claimed job whose worker died is run again after this
+LLM_MAX_TOKENS = 1024  # bounds a reply (a small model in JSON mode can ramble until the context ends)
 EXPORT_FORMAT = "engram-export"
 EXPORT_VERSION = 1
 
@@ -244,7 +245,7 @@ class Memory:
             chunk = episodes[i:i + EXTRACT_BATCH]
             try:
                 reply = self.llm.complete(task.prompt(chunk, recent, session.summary if session else ""),
-                                          extraction.Extraction)
+                                          extraction.Extraction, max_tokens=LLM_MAX_TOKENS)
             except ProviderError as exc:
                 notes.append(f"{task.name} failed ({type(exc).__name__}: {exc}); messages kept as episodes")
                 log.warning("%s failed for %d messages: %s", task.name, len(chunk), exc)
@@ -290,7 +291,7 @@ class Memory:
         assert self.llm is not None
         messages, local = consolidate.decide_prompt([f.text for f in facts], related)
         try:
-            reply = self.llm.complete(messages, consolidate.LLMDecisions)
+            reply = self.llm.complete(messages, consolidate.LLMDecisions, max_tokens=LLM_MAX_TOKENS)
             assert reply.parsed is not None
             return consolidate.plans(reply.parsed, len(facts), local, related)
         except ProviderError as exc:
