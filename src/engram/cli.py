@@ -505,6 +505,67 @@ def stats(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
 
 
 @app.command()
+def worker(ctx: typer.Context,
+           until_idle: Annotated[bool, typer.Option("--until-idle",
+                                                    help="Stop when no job is runnable.")] = False,
+           db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Run background jobs (adds, extraction, reflection) from the database's job table."""
+    import threading
+
+    state = _state(ctx, db, as_json)
+    with _memory(state) as mem:
+        stop = threading.Event()
+        if not state.json:
+            typer.echo(f"engram worker on {mem.config.path}: waiting for jobs (Ctrl-C stops)", err=True)
+        try:
+            ran = mem.work(until_idle=until_idle, stop=stop)
+        except KeyboardInterrupt:
+            stop.set()
+            ran = -1
+    if state.json:
+        _print_json({"ran": ran})
+    elif ran >= 0:
+        typer.echo(f"ran {ran} jobs")
+
+
+@app.command()
+def jobs(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
+         session: SessionOpt = None,
+         status: Annotated[str | None, typer.Option("--status",
+                                                    help="queued, running, done or failed.")] = None,
+         limit: Annotated[int, typer.Option("--limit", "-n", help="How many, newest first.")] = 20,
+         db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Background jobs, newest first."""
+    state = _state(ctx, db, as_json)
+    with _memory(state) as mem:
+        found = mem.jobs(user_id=user, agent_id=agent, session_id=session, status=status, limit=limit)
+    if state.json:
+        _print_json([j.to_dict() for j in found])
+        return
+    for j in found:
+        typer.echo(f"{j.id}  {j.kind:8} {j.status.value:8} attempts={j.attempts}"
+                   + (f"  error: {j.error}" if j.error else ""))
+
+
+@app.command()
+def reflect(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
+            session: SessionOpt = None,
+            limit: Annotated[int, typer.Option("--limit", "-n", help="Recent episodes to read.")] = 50,
+            db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Learn lessons (procedural) and insights (semantic) from recent episodes; needs an LLM."""
+    state = _state(ctx, db, as_json)
+    with _memory(state) as mem:
+        result = mem.reflect(user_id=user, agent_id=agent, session_id=session, limit=limit)
+    if state.json:
+        _print_json({"memories": [m.to_dict() for m in result.memories], "notes": list(result.notes)})
+        return
+    for note in result.notes:
+        typer.echo(note, err=True)
+    if result.memories:
+        _console().print(_records_table(result.memories))
+
+
+@app.command()
 def demo(ctx: typer.Context,
          limit: Annotated[int, typer.Option("--limit", "-n", help="Hits per question.")] = 3,
          db: DbOpt = None, as_json: JsonOpt = False) -> None:
