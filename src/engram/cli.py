@@ -565,6 +565,26 @@ def reflect(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
         _console().print(_records_table(result.memories))
 
 
+@app.command("mcp")
+def mcp_cmd(ctx: typer.Context,
+            transport: Annotated[str, typer.Option(
+                "--transport", "-t", metavar="stdio|http",
+                help="stdio (for a local MCP client) or http (streamable HTTP at /mcp).")] = "stdio",
+            host: Annotated[str, typer.Option("--host", help="HTTP: address to listen on.")] = "127.0.0.1",
+            port: Annotated[int, typer.Option("--port", help="HTTP: port (0 picks a free one).")] = 8000,
+            user_id: Annotated[str, typer.Option(
+                "--user-id", metavar="ID", help="Scope of every tool call: user id.")] = "default",
+            db: DbOpt = None) -> None:
+    """Serve engram's memory and knowledge-graph tools over MCP (stdio or streamable HTTP)."""
+    from .config import Config
+    from .mcp import serve
+
+    state = _state(ctx, db, False)
+    with _guard():
+        serve(transport=transport, host=host, port=port, user_id=user_id,
+              config=Config.from_env(path=state.db))
+
+
 @app.command()
 def demo(ctx: typer.Context,
          limit: Annotated[int, typer.Option("--limit", "-n", help="Hits per question.")] = 3,
