@@ -69,12 +69,14 @@ class Candidate:
     source_roles: frozenset[str]
 
 
-def render(messages: Sequence[MemoryRecord]) -> str:
+def render(messages: Sequence[MemoryRecord], start: int = 1) -> str:
     lines = []
-    for i, m in enumerate(messages, start=1):
+    for i, m in enumerate(messages, start=start):
         when = (m.observed_at or m.created_at).strftime("%Y-%m-%d %H:%M")
         who = f"{m.role or 'user'}" + (f" ({m.name})" if m.name else "")
-        lines.append(f"[{i}] {when} {who}: {m.text}")
+        # continuation lines are indented, so a message cannot forge the start of another
+        text = "\n    ".join(m.text.splitlines())
+        lines.append(f"[{i}] {when} {who}: {text}")
     return "\n".join(lines)
 
 
@@ -88,8 +90,7 @@ def prompt(new: Sequence[MemoryRecord], recent: Sequence[MemoryRecord],
     if recent:
         parts.append("Earlier messages (context only, extract nothing from them):\n"
                      + render(recent))
-    numbered = render([*recent, *new]).splitlines()[len(recent):]
-    parts.append("New messages (extract from these):\n" + "\n".join(numbered))
+    parts.append("New messages (extract from these):\n" + render(new, start=len(recent) + 1))
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
