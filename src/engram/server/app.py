@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from .. import __version__
 from ..config import Config
@@ -78,7 +79,9 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     _add_probes(app, key_store, tenants)
     _add_error_handlers(app)
     if mcp_app is not None:
-        app.mount("/mcp", mcp_app.asgi(app.state.auth, app.state.limiter))
+        # A route, not a mount: a mount would redirect /mcp to /mcp/, which MCP clients do not follow.
+        app.router.routes.append(Route("/mcp", mcp_app.asgi(app.state.auth, app.state.limiter),
+                                       methods=["GET", "POST", "DELETE"], include_in_schema=False))
     # Outermost last: the body limit wraps FastAPI, the metrics wrap everything.
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

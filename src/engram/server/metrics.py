@@ -90,5 +90,5 @@ class MetricsMiddleware:
 
 def _route(scope: Scope) -> str:
     route = scope.get("route")
-    path = getattr(route, "path", None)
+    path = getattr(route, "path", None) or scope.get("engram.route")
     return path if isinstance(path, str) else "unmatched"

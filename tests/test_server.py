@@ -1,0 +1,346 @@
+"""The REST service in-process (FastAPI TestClient over httpx), on real SQLite files with the
+real MiniLM embedder: routes, auth and roles, tenant isolation, bounds, rate limits, metrics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engram import Memory
+from engram.config import Config
+from engram.providers.embedders import MiniLM
+from engram.server import ServiceLimits, create_app
+from server_kit import Service, error_code, service
+
+
+@pytest.fixture
+def svc(tmp_path: Path, embedder: MiniLM) -> Iterator[Service]:
+    with service(tmp_path, embedder) as s:
+        yield s
+
+
+def add(svc: Service, who: str, messages: Any, **fields: Any) -> dict[str, Any]:
+    r = svc.call(who, "POST", "/v1/memories", json={"messages": messages, **fields})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+# -- routes ------------------------------------------------------------------------------------
+
+def test_memory_lifecycle_over_http(svc: Service) -> None:
+    out = add(svc, "a-member", [
+        {"role": "user", "name": "Ana", "content": "I moved to Lisbon for a new job."},
+        {"role": "assistant", "content": "Congratulations! What is the job?"},
+    ], user_id="ana", session_id="s1", observed_at="2024-04-02T18:30:00Z")
+    assert [e["type"] for e in out["events"]] == ["ADD", "ADD"]
+    assert out["job"] is None
+    first = out["memories"][0]
+    assert first["scope"] == {"user_id": "ana", "agent_id": None, "session_id": "s1"}
+    assert first["observed_at"].startswith("2024-04-02T18:30")
+
+    fact = add(svc, "a-member", "Ana is vegetarian", user_id="ana", kind="semantic",
+               importance=0.8)["memories"][0]
+    again = add(svc, "a-member", "ana is vegetarian.", user_id="ana", kind="semantic")
+    assert again["memories"][0]["id"] == fact["id"] and again["events"] == []  # consolidated
+
+    r = svc.call("a-member", "POST", "/v1/memories/search",
+                 json={"query": "Which city did Ana move to?", "user_id": "ana", "limit": 2})
+    assert r.status_code == 200
+    hits = r.json()["hits"]
+    assert len(hits) == 2 and any("Lisbon" in h["memory"]["text"] for h in hits)
+    assert {"dense", "lexical", "score"} <= set(hits[0]["explain"])
+
+    page = svc.call("a-member", "GET", "/v1/memories", params={"user_id": "ana", "limit": 2}).json()
+    assert len(page["items"]) == 2 and page["next_cursor"]
+    rest = svc.call("a-member", "GET", "/v1/memories",
+                    params={"user_id": "ana", "cursor": page["next_cursor"]}).json()
+    assert [m["id"] for m in rest["items"]] == [fact["id"]] and rest["next_cursor"] is None
+    facts = svc.call("a-member", "GET", "/v1/memories",
+                     params={"kind": "semantic", "filters": json.dumps({"importance": {"gte": 0.7}})})
+    assert [m["id"] for m in facts.json()["items"]] == [fact["id"]]
+
+    r = svc.call("a-member", "PATCH", f"/v1/memories/{fact['id']}",
+                 json={"text": "Ana is pescatarian", "metadata": {"source": "chat"}})
+    assert r.status_code == 200 and r.json()["text"] == "Ana is pescatarian"
+    assert r.json()["metadata"] == {"source": "chat"} and r.json()["importance"] == 0.8
+    got = svc.call("a-member", "GET", f"/v1/memories/{fact['id']}").json()
+    assert got["text"] == "Ana is pescatarian"
+
+    assert svc.call("a-member", "DELETE", f"/v1/memories/{fact['id']}").status_code == 204
+    gone = svc.call("a-member", "GET", f"/v1/memories/{fact['id']}")
+    assert gone.status_code == 404 and error_code(gone) == "not_found"
+    history = svc.call("a-member", "GET", f"/v1/memories/{fact['id']}/history").json()
+    assert [e["type"] for e in history["events"]] == ["ADD", "UPDATE", "DELETE"]
+
+
+def test_erase_export_import_need_an_admin_key(svc: Service) -> None:
+    add(svc, "a-member", "Ana's passport number is X123", user_id="ana", kind="semantic")
+    for method, url, kwargs in (("POST", "/v1/erase", {"json": {"user_id": "ana"}}),
+                                ("GET", "/v1/export", {}),
+                                ("POST", "/v1/import", {"content": b"{}"})):
+        r = svc.call("a-member", method, url, **kwargs)
+        assert r.status_code == 403 and error_code(r) == "forbidden", (url, r.text)
+
+    export = svc.call("a-admin", "GET", "/v1/export", params={"user_id": "ana"})
+    assert export.status_code == 200
+    assert export.headers["content-type"].startswith("application/x-ndjson")
+    lines = export.text.splitlines()
+    assert json.loads(lines[0])["format"] == "engram-export" and len(lines) == 2
+
+    # The export goes into tenant b as it is (ids kept), and tenant a's erasure leaves it there.
+    r = svc.call("b-admin", "POST", "/v1/import", content=export.content,
+                 headers={"Content-Type": "application/x-ndjson"})
+    assert r.status_code == 200 and r.json() == {"imported": 1}
+    r = svc.call("a-admin", "POST", "/v1/erase", json={"user_id": "ana"})
+    assert r.status_code == 200 and r.json() == {"erased": 1}
+    assert svc.call("a-member", "GET", "/v1/memories").json()["items"] == []
+    assert [m["text"] for m in svc.call("b-member", "GET", "/v1/memories").json()["items"]] == [
+        "Ana's passport number is X123"]
+
+    bad = svc.call("b-admin", "POST", "/v1/import", content=b"not an export")
+    assert bad.status_code == 422 and error_code(bad) == "invalid_input"
+    refused = svc.call("a-admin", "POST", "/v1/erase", json={})
+    assert refused.status_code == 422
+
+
+def test_sessions_and_context(svc: Service) -> None:
+    r = svc.call("a-member", "POST", "/v1/sessions", json={"user_id": "ana", "session_id": "trip"})
+    assert r.status_code == 201 and r.json()["scope"]["session_id"] == "trip"
+    r = svc.call("a-member", "POST", "/v1/sessions/trip/messages", params={"user_id": "ana"},
+                 json={"messages": [{"role": "user", "content": "I fly to Tokyo on May 3rd."},
+                                    {"role": "assistant", "content": "Have a great trip!"}]})
+    assert r.status_code == 201 and len(r.json()["memories"]) == 2
+    got = svc.call("a-member", "GET", "/v1/sessions/trip", params={"user_id": "ana"})
+    assert got.status_code == 200 and got.json()["scope"]["user_id"] == "ana"
+    ctx = svc.call("a-member", "POST", "/v1/context",
+                   json={"query": "When is the flight?", "user_id": "ana", "session_id": "trip"})
+    assert ctx.status_code == 200
+    assert "Tokyo" in ctx.json()["text"]
+    assert svc.call("a-member", "DELETE", "/v1/sessions/trip",
+                    params={"user_id": "ana"}).status_code == 403
+    assert svc.call("a-admin", "DELETE", "/v1/sessions/trip",
+                    params={"user_id": "ana"}).status_code == 204
+    assert svc.call("a-member", "GET", "/v1/sessions/trip").status_code == 404
+
+
+# -- auth --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer ", "Basic abc", "Bearer nope",
+                                    "Bearer engram_000000000000_" + "x" * 43, "Bearer " + "k" * 500])
+def test_missing_or_bad_key_is_401(svc: Service, header: str | None) -> None:
+    headers = {} if header is None else {"Authorization": header}
+    for method, url in (("GET", "/v1/memories"), ("POST", "/v1/memories/search"),
+                        ("GET", "/v1/memories/x")):
+        r = svc.client.request(method, url, headers=headers, json={"query": "x"})
+        assert r.status_code == 401, (header, url)
+        assert error_code(r) == "unauthorized"
+        assert r.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_a_revoked_key_stops_working(svc: Service) -> None:
+    assert svc.call("a-member", "GET", "/v1/memories").status_code == 200
+    key_id = next(k.id for k in svc.keys.list("a") if k.role == "member")
+    svc.keys.revoke(key_id)
+    r = svc.call("a-member", "GET", "/v1/memories")
+    assert r.status_code == 401 and error_code(r) == "unauthorized"
+    assert svc.call("a-admin", "GET", "/v1/memories").status_code == 200
+
+
+def test_keys_are_stored_hashed(svc: Service) -> None:
+    files = [svc.keys.path, svc.keys.path.with_name(svc.keys.path.name + "-wal")]
+    raw = b"".join(f.read_bytes() for f in files if f.exists())
+    assert len(raw) > 0
+    for token in svc.tokens.values():
+        secret = token[len("engram_") + 13:]  # after the prefix and the public key id
+        assert len(secret) >= 40 and secret.encode() not in raw
+
+
+# -- tenant isolation --------------------------------------------------------------------------
+
+CANARY = "canary-7f3a: tenant A's secret is the blue door"
+
+
+def test_cross_tenant_matrix(svc: Service) -> None:
+    """Tenant B tries every route on tenant A's canary: every id route answers 404, nothing of
+    A's ever appears in a response, and A's memory is untouched."""
+    mem = add(svc, "a-member", CANARY, user_id="u1", session_id="s1")["memories"][0]
+    mid = mem["id"]
+    seen: list[str] = []
+    for who in ("b-member", "b-admin"):
+        id_routes = [
+            ("GET", f"/v1/memories/{mid}", {}),
+            ("PATCH", f"/v1/memories/{mid}", {"json": {"text": "overwritten by b"}}),
+            ("GET", f"/v1/memories/{mid}/history", {}),
+            ("DELETE", f"/v1/memories/{mid}", {}),
+            ("GET", f"/v1/jobs/{mid}", {}),
+            ("GET", "/v1/sessions/s1", {"params": {"user_id": "u1"}}),
+            ("POST", "/v1/sessions/s1/messages", None),  # writes into b's own s1: checked below
+        ]
+        if who == "b-admin":
+            id_routes += [("POST", "/v1/erase", {"json": {"id": mid}}),
+                          ("DELETE", "/v1/sessions/s1", {"params": {"user_id": "u1"}})]
+        for method, url, kwargs in id_routes:
+            if kwargs is None:
+                continue
+            r = svc.call(who, method, url, **kwargs)
+            assert r.status_code == 404, (who, method, url, r.status_code, r.text)
+            seen.append(r.text)
+        scoped = [
+            ("POST", "/v1/memories/search", {"json": {"query": "blue door secret", "user_id": "u1"}}),
+            ("POST", "/v1/memories/search", {"json": {"query": "canary-7f3a"}}),
+            ("GET", "/v1/memories", {"params": {"user_id": "u1"}}),
+            ("GET", "/v1/memories", {}),
+            ("POST", "/v1/context", {"json": {"query": "secret door", "user_id": "u1",
+                                              "session_id": "s1"}}),
+        ]
+        if who == "b-admin":
+            scoped += [("GET", "/v1/export", {}), ("POST", "/v1/erase", {"json": {"user_id": "u1"}})]
+        for method, url, kwargs in scoped:
+            r = svc.call(who, method, url, **kwargs)
+            assert r.status_code == 200, (who, method, url, r.text)
+            seen.append(r.text)
+    for text in seen:
+        assert "canary-7f3a" not in text and "blue door" not in text
+        assert mem["content_hash"] not in text
+
+    # A's memory is exactly as it was.
+    got = svc.call("a-member", "GET", f"/v1/memories/{mid}").json()
+    assert got["text"] == CANARY and got["deleted_at"] is None
+    history = svc.call("a-member", "GET", f"/v1/memories/{mid}/history").json()["events"]
+    assert [e["type"] for e in history] == ["ADD"]
+
+
+def test_tenants_are_separate_databases(svc: Service, embedder: MiniLM) -> None:
+    add(svc, "a-member", CANARY, user_id="u1")
+    with Memory(config=svc.config, tenant="b", embedder=embedder) as b, \
+         Memory(config=svc.config, tenant="a", embedder=embedder) as a:
+        assert b.list().items == []
+        assert [m.text for m in a.list().items] == [CANARY]
+
+
+# -- bounds ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body", [
+    {"query": "x", "limit": 0}, {"query": "x", "limit": 101}, {"query": "x", "limit": "ten"},
+    {"query": ""}, {"query": "   "}, {"query": "x", "filters": {"n": {"regex": "a"}}},
+    {"query": "x", "kinds": ["nope"]}, {"query": "x", "unknown": 1}, {},
+])
+def test_bad_search_input_is_422(svc: Service, body: dict[str, Any]) -> None:
+    r = svc.call("a-member", "POST", "/v1/memories/search", json=body)
+    assert r.status_code == 422, body
+    assert error_code(r) in ("invalid_input", "invalid_filter")
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": ""}, {"messages": []}, {"messages": ["x"] * 501}, {"messages": "x" * 32_001},
+    {"messages": "x", "importance": 2}, {"messages": "x", "observed_at": "yesterday"},
+    {"messages": "x", "user_id": "u" * 257}, {"messages": [{"content": "x", "role": ""}]},
+    {"messages": "x", "kind": "dream"}, {"messages": "x", "metadata": [1]},
+    {"messages": "x", "observed_at": "0001-01-01T00:00:00+14:00"},
+])
+def test_bad_add_input_is_422_and_writes_nothing(svc: Service, body: dict[str, Any]) -> None:
+    r = svc.call("a-member", "POST", "/v1/memories", json=body)
+    assert r.status_code == 422, (body, r.text)
+    assert svc.call("a-member", "GET", "/v1/memories").json()["items"] == []
+
+
+def test_list_limit_is_bounded(svc: Service) -> None:
+    for limit in (0, 101, -1):
+        r = svc.call("a-member", "GET", "/v1/memories", params={"limit": limit})
+        assert r.status_code == 422 and error_code(r) == "invalid_input"
+    r = svc.call("a-member", "GET", "/v1/memories", params={"filters": "{not json"})
+    assert r.status_code == 422 and error_code(r) == "invalid_filter"
+
+
+def test_request_body_over_the_limit_is_413(tmp_path: Path, embedder: MiniLM) -> None:
+    with service(tmp_path, embedder, limits=ServiceLimits(max_body_bytes=4096)) as svc:
+        big = {"messages": "x" * 5000}
+        r = svc.call("a-member", "POST", "/v1/memories", json=big)
+        assert r.status_code == 413 and error_code(r) == "payload_too_large"
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            yield b'{"messages": "'
+            for _ in range(10):
+                yield b"y" * 1000
+            yield b'"}'
+
+        r = svc.call("a-member", "POST", "/v1/memories", content=chunks(),
+                     headers={"Content-Type": "application/json"})
+        assert r.status_code == 413
+        assert svc.call("a-member", "GET", "/v1/memories").json()["items"] == []
+        assert svc.call("a-member", "POST", "/v1/memories",
+                        json={"messages": "small"}).status_code == 201
+
+
+# -- rate limits -------------------------------------------------------------------------------
+
+def test_rate_limit_is_per_tenant(tmp_path: Path, embedder: MiniLM) -> None:
+    with service(tmp_path, embedder, limits=ServiceLimits(rate=0.01, burst=3)) as svc:
+        codes = [svc.call("a-member", "GET", "/v1/memories").status_code for _ in range(3)]
+        assert codes == [200, 200, 200]
+        r = svc.call("a-admin", "GET", "/v1/memories")  # the same tenant, another key
+        assert r.status_code == 429 and error_code(r) == "rate_limited"
+        assert int(r.headers["Retry-After"]) >= 1
+        assert svc.call("b-member", "GET", "/v1/memories").status_code == 200
+        assert svc.client.get("/health").status_code == 200  # probes are not limited
+
+
+# -- ops ---------------------------------------------------------------------------------------
+
+def test_health_ready_and_metrics(svc: Service) -> None:
+    assert svc.client.get("/health").json() == {"status": "ok"}
+    assert svc.client.get("/ready").json() == {"status": "ok"}
+    mid = add(svc, "a-member", "metrics canary", user_id="u")["memories"][0]["id"]
+    svc.call("a-member", "GET", f"/v1/memories/{mid}")
+    svc.call("a-member", "GET", "/v1/memories/nope")
+    r = svc.client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert ('engram_http_request_duration_seconds_count{method="GET",route="/v1/memories/{id}",'
+            'status="200"} 1.0') in text
+    assert 'route="/v1/memories/{id}",status="404"' in text
+    assert mid not in text  # ids never become labels
+    assert "engram_memories_stored 1.0" in text
+    assert "engram_jobs_queued 0.0" in text
+
+
+def test_errors_are_json_with_a_code(svc: Service) -> None:
+    r = svc.call("a-member", "GET", "/v1/nowhere")
+    assert r.status_code == 404 and error_code(r) == "not_found"
+    r = svc.call("a-member", "PUT", "/v1/memories")
+    assert r.status_code == 405 and error_code(r) == "method_not_allowed"
+    r = svc.call("a-member", "POST", "/v1/memories", content=b"{not json",
+                 headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and error_code(r) == "invalid_input"
+
+
+def test_openapi_documents_every_route(svc: Service) -> None:
+    spec = svc.client.get("/openapi.json").json()
+    routes = {(m.upper(), p) for p, ops in spec["paths"].items() for m in ops}
+    wanted = {("POST", "/v1/memories"), ("POST", "/v1/memories/search"), ("GET", "/v1/memories"),
+              ("GET", "/v1/memories/{id}"), ("PATCH", "/v1/memories/{id}"),
+              ("DELETE", "/v1/memories/{id}"), ("GET", "/v1/memories/{id}/history"),
+              ("POST", "/v1/erase"), ("GET", "/v1/jobs/{id}"), ("GET", "/v1/export"),
+              ("POST", "/v1/import"), ("POST", "/v1/sessions"), ("GET", "/v1/sessions/{id}"),
+              ("DELETE", "/v1/sessions/{id}"), ("POST", "/v1/sessions/{id}/messages"),
+              ("POST", "/v1/context"), ("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics")}
+    assert wanted <= routes
+    doc = (Path(__file__).parents[1] / "docs" / "service.md").read_text(encoding="utf-8")
+    for method, path in sorted(routes):
+        assert f"{method} {path}" in doc, f"docs/service.md does not document {method} {path}"
+
+
+def test_no_auth_serves_the_single_user_database(tmp_path: Path, embedder: MiniLM) -> None:
+    cfg = Config(path=tmp_path / "engram.db")
+    with Memory(config=cfg, embedder=embedder) as mem:
+        mem.add("written by the library", user_id="me")
+    app = create_app(cfg, auth=False, embedder=embedder)
+    with TestClient(app) as client:
+        items = client.get("/v1/memories").json()["items"]
+        assert [m["text"] for m in items] == ["written by the library"]
+        assert client.post("/v1/erase", json={"user_id": "me"}).json() == {"erased": 1}
