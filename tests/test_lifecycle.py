@@ -217,3 +217,22 @@ def test_extraction_over_a_real_llama_cpp_server(tmp_path: Path, embedder: MiniL
             for x in learned:
                 assert x.provenance and x.metadata["origin"]["source"] == "user"
             assert llm.stats().calls >= 1 and llm.stats().total_tokens > 0
+
+
+def test_a_late_fact_is_fitted_into_the_middle_of_a_history(smart: Memory, script: ScriptedLLM) -> None:
+    """Porto (2021) then Berlin (2024) arrive first; Lisbon (2022) arrives last: the history
+    becomes Porto -> Lisbon -> Berlin, one fact valid at any time."""
+    script.push(facts(fact("Ana lives in Porto.")))
+    porto = smart.add("Porto", user_id="ana", observed_at=at("2021-01-01T00:00:00")).memories[1]
+    script.push(facts(fact("Ana lives in Berlin.")), decide((1, "SUPERSEDE", "m1")))
+    berlin = smart.add("Berlin", user_id="ana", observed_at=at("2024-01-01T00:00:00")).memories[1]
+    script.push(facts(fact("Ana lives in Lisbon.")), decide((1, "SUPERSEDE", "m1")))
+    lisbon = smart.add("Lisbon", user_id="ana", observed_at=at("2022-01-01T00:00:00")).memories[1]
+    for day, city in (("2021-06-01", "Porto"), ("2023-06-01", "Lisbon"), ("2025-06-01", "Berlin")):
+        assert semantic(smart, "where does Ana live?", as_of=at(day)) == [f"Ana lives in {city}."], day
+    assert semantic(smart, "where does Ana live?") == ["Ana lives in Berlin."]
+    p, li = smart.get(porto.id), smart.get(lisbon.id)
+    assert (p.valid_to, p.superseded_by) == (li.valid_from, lisbon.id)
+    assert (li.valid_to, li.superseded_by) == (berlin.valid_from, berlin.id)
+    assert [e.type for e in smart.history(porto.id)] == [EventType.ADD, EventType.SUPERSEDE,
+                                                           EventType.SUPERSEDE]

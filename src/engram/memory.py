@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -48,6 +48,12 @@ from .providers.embedders import Embedder, get_embedder
 from .providers.llms import LLM, get_llm
 from .store import Key, Lexical, Query, Stats, Store, open_store
 
+if TYPE_CHECKING:
+    from .context import Block as ContextBlock
+    from .context import Context
+    from .model import Session
+    from .working.session import AsyncSessionHandle, SessionHandle
+
 log = logging.getLogger("engram.memory")
 T = TypeVar("T")
 
@@ -68,6 +74,7 @@ MAX_LIMIT = 1000
 WINDOW = 3  # turns in an episode's `window` key: itself and the two before it
 EXTRACT_BATCH = 20  # messages per extraction call
 RELATED = 5  # existing memories a new fact is compared with
+MAX_CHAIN = 20  # versions walked back to fit a late fact into a fact's history
 JOB_LEASE_S = 300  # a claimed job whose worker died is run again after this
 LLM_MAX_TOKENS = 1024  # bounds a reply (a small model in JSON mode can ramble until the context ends)
 EXPORT_FORMAT = "engram-export"
@@ -272,7 +279,29 @@ class Memory:
         plans = self._plans(facts, related, index, notes)
         texts = {p.fact: p.text for p in plans if p.text and p.action in ("UPDATE", "MERGE")}
         retext = self._index([replace(facts[i], text=t) for i, t in texts.items()])
-        return [_Learned(f, index[f.id], p, retext.get(f.id)) for f, p in zip(facts, plans, strict=True)]
+        return [_Learned(f, index[f.id], p, retext.get(f.id),
+                         self._chain(p.target, f, index[f.id][0][0].vector, now)
+                         if p.action == "SUPERSEDE" and p.target else ())
+                for f, p in zip(facts, plans, strict=True)]
+
+    def _chain(self, current: MemoryRecord, new: MemoryRecord, vector: np.ndarray,
+               now: datetime) -> tuple[MemoryRecord, ...]:
+        """The versions of `current` back to the one that held when `new` starts (oldest
+        first), for fitting a late fact into the timeline. Each step finds the predecessor
+        among the related facts valid just before a version began."""
+        chain = [current]
+        start = new.valid_from or new.created_at
+        while len(chain) < MAX_CHAIN and (chain[0].valid_from or chain[0].created_at) > start:
+            since = chain[0].valid_from or chain[0].created_at
+            q = Query(scope=current.scope, now=now, kinds=(current.kind,),
+                      as_of=since - timedelta(microseconds=1))
+            ids = [mid for mid, _, _ in self._rank(new.text, q, RELATED, vector)]
+            before = next((r for r in self.store.get(ids).values()
+                           if r.superseded_by == chain[0].id), None)
+            if before is None:
+                break
+            chain.insert(0, before)
+        return tuple(chain)
 
     def _related(self, fact: MemoryRecord, vector: np.ndarray, now: datetime) -> list[MemoryRecord]:
         """Current facts of the scope that a new fact may repeat, refine or contradict: found by
@@ -350,18 +379,22 @@ class Memory:
                 continue
             if action == "SUPERSEDE":
                 assert target is not None
-                old, new = consolidate.supersede(target, rec, now)
-                closed = old if old.valid_to is not None and old is not target else new
-                if old is not target:
-                    tx.update(old)
-                tx.insert(new, *item.index)
-                for ev in (_event(EventType.ADD, new, now, after=new, reason=plan.reason),
-                           _event(EventType.SUPERSEDE, closed, now,
-                                  before=target if closed is old else None, after=closed,
-                                  reason=(plan.reason if closed is old else
-                                          f"arrived late: held before {target.id}; {plan.reason}"))):
+                chain = [v for v in (self._visible(c.id, now) for c in item.chain[:-1]) if v]
+                changed, new = consolidate.place(rec, [*chain, target], now)
+                for before, after in zip([next(v for v in [*chain, target] if v.id == c.id)
+                                          for c in changed], changed, strict=True):
+                    tx.update(after)
+                    ev = _event(EventType.SUPERSEDE, after, now, before=before, after=after,
+                                reason=plan.reason)
                     tx.append(ev)
                     events.append(ev)
+                tx.insert(new, *item.index)
+                reason = plan.reason
+                if new.valid_to is not None:
+                    reason = f"arrived late: held until {new.valid_to.isoformat()}; {reason}"
+                ev = _event(EventType.ADD, new, now, after=new, reason=reason)
+                tx.append(ev)
+                events.append(ev)
                 stored.append(new)
                 continue
             tx.insert(rec, *item.index)
@@ -845,6 +878,41 @@ class Memory:
 
     # -- working memory: sessions and context (see working/ and context.py) -------------------
 
+    def session(self, *, session_id: str | None = None, user_id: str | None = None,
+                agent_id: str | None = None, policy: Any = None,
+                metadata: Mapping[str, Any] | None = None) -> SessionHandle:
+        """A persisted conversation: `s.add(message)`, `s.messages()`, `s.view()`, `s.end()`.
+
+        An existing session (same scope) resumes exactly, with its stored policy unless
+        `policy` is given (a `engram.working` policy, its dict, or a name such as "summary").
+        No `session_id` starts a new session. With no LLM, summaries are extractive.
+        """
+        from .working.session import open_session
+
+        return open_session(self, session_id=session_id, user_id=user_id, agent_id=agent_id,
+                            policy=policy, metadata=metadata)
+
+    def sessions(self, *, user_id: str | None = None, agent_id: str | None = None,
+                 limit: int = 50) -> builtins_list[Session]:
+        """Stored sessions of a scope, most recently updated first."""
+        from .working.session import list_sessions
+
+        return list_sessions(self, user_id=user_id, agent_id=agent_id, limit=limit)
+
+    def context(self, query_or_messages: str | Sequence[Mapping[str, Any]], *,
+                user_id: str | None = None, agent_id: str | None = None,
+                session_id: str | None = None, budget_tokens: int = 2000,
+                blocks: Sequence[ContextBlock] | None = None,
+                instructions: str | None = None) -> Context:
+        """The messages to send to a model next, within `budget_tokens` (cl100k tokens): a
+        system message with `instructions` and the memories as quoted, dated data, then the
+        session per its policy, then the new message(s). See `engram.context.DEFAULT_BLOCKS`."""
+        from .context import assemble
+
+        return assemble(self, query_or_messages, user_id=user_id, agent_id=agent_id,
+                        session_id=session_id, budget_tokens=budget_tokens, blocks=blocks,
+                        instructions=instructions)
+
     # -- export / import ---------------------------------------------------------------------
 
     def export(self, path: str | Path, *, user_id: str | None = None,
@@ -929,6 +997,17 @@ class AsyncMemory:
     async def stats(self, **kwargs: Any) -> Stats:
         return await self._run(self.sync.stats, **kwargs)
 
+    async def session(self, **kwargs: Any) -> AsyncSessionHandle:
+        from .working.session import AsyncSessionHandle
+
+        return AsyncSessionHandle(await self._run(self.sync.session, **kwargs))
+
+    async def sessions(self, **kwargs: Any) -> builtins_list[Session]:
+        return await self._run(self.sync.sessions, **kwargs)
+
+    async def context(self, query_or_messages: Any, **kwargs: Any) -> Context:
+        return await self._run(self.sync.context, query_or_messages, **kwargs)
+
     async def export(self, path: str | Path, **kwargs: Any) -> int:
         return await self._run(self.sync.export, path, **kwargs)
 
@@ -1010,6 +1089,7 @@ class _Learned:
     index: tuple[list[Key], Lexical]
     plan: consolidate.Plan
     retext: tuple[list[Key], Lexical] | None = field(default=None)
+    chain: tuple[MemoryRecord, ...] = ()  # for SUPERSEDE: the target's versions, oldest first
 
 
 def _fingerprint(kind: str, payload: Mapping[str, Any]) -> str:

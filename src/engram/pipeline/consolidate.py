@@ -168,15 +168,23 @@ def plans(reply: LLMDecisions, n_facts: int, local: dict[str, MemoryRecord],
             for i in range(n_facts)]
 
 
-def supersede(old: MemoryRecord, new: MemoryRecord, now: datetime) -> tuple[MemoryRecord, MemoryRecord]:
-    """Close the older of two contradicting facts at the start of the newer one.
+def place(new: MemoryRecord, chain: Sequence[MemoryRecord],
+          now: datetime) -> tuple[list[MemoryRecord], MemoryRecord]:
+    """Insert a fact into the timeline of the fact it contradicts.
 
-    Returns (old, new) as they should be stored. Normally `old` ends where `new` starts; when the
-    new fact arrived late (it held before the old one started), the new one is stored already
-    closed, ending where the old one starts: a late message never overrides a newer fact.
+    `chain` holds the versions of that fact, oldest first, ending with the current one; each
+    version's validity ends where the next begins. Returns the versions to store changed and the
+    new fact as it should be stored. Usually the new fact starts after the current one, which it
+    closes. A fact that arrived late (it held from an earlier time) is fitted in where it
+    belongs: the version it interrupts ends at its start, and it ends where that version ended,
+    so a late message never overrides a newer fact and the history stays one line.
     """
-    old_from = old.valid_from or old.created_at
-    new_from = new.valid_from or new.created_at
-    if new_from >= old_from:
-        return replace(old, valid_to=new_from, superseded_by=new.id, updated_at=now), new
-    return old, replace(new, valid_to=old_from, superseded_by=old.id)
+    start = new.valid_from or new.created_at
+    for version in reversed(chain):
+        since = version.valid_from or version.created_at
+        if since <= start:
+            closed = replace(version, valid_to=start, superseded_by=new.id, updated_at=now)
+            return [closed], replace(new, valid_to=version.valid_to,
+                                     superseded_by=version.superseded_by)
+    first = chain[0]
+    return [], replace(new, valid_to=first.valid_from or first.created_at, superseded_by=first.id)
