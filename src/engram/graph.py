@@ -151,7 +151,8 @@ def delete_entities(mem: Memory, names: Sequence[str], scope: Scope) -> tuple[li
     records += _relation_records(mem, scope, "from", wanted)
     records += _relation_records(mem, scope, "to", wanted)
     _delete(mem, records)
-    return [n for n in names if n in present], [n for n in names if n not in present]
+    asked = list(dict.fromkeys(names))
+    return [n for n in asked if n in present], [n for n in asked if n not in present]
 
 
 def delete_observations(mem: Memory, deletions: Sequence[tuple[str, Sequence[str]]],

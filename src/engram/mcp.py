@@ -306,7 +306,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
         def run(mem: Memory) -> DeleteResult:
             deleted, missing = graph.delete_entities(mem, entityNames, owner)
             message = ("Entities deleted successfully" if not missing else
-                       f"Deleted {len(deleted)} of {len(entityNames)} entities. "
+                       f"Deleted {len(deleted)} of {len(deleted) + len(missing)} entities. "
                        f"Not found: {', '.join(missing)}")
             return DeleteResult(success=True, message=message)
         return call(ctx, run)
@@ -381,7 +381,8 @@ def serve(*, transport: str = "stdio", host: str = "127.0.0.1", port: int = 8000
             import uvicorn
 
             # uvicorn's startup line on stderr names the bound port (useful with --port 0).
-            uvicorn.run(server.streamable_http_app(host=host), host=host, port=port, log_level="info")
+            uvicorn.run(server.streamable_http_app(host=host), host=host, port=port, log_level="info",
+                        access_log=False)
     finally:
         mem.close()
 
