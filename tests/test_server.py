@@ -118,14 +118,61 @@ def test_sessions_and_context(svc: Service) -> None:
     got = svc.call("a-member", "GET", "/v1/sessions/trip", params={"user_id": "ana"})
     assert got.status_code == 200 and got.json()["scope"]["user_id"] == "ana"
     ctx = svc.call("a-member", "POST", "/v1/context",
-                   json={"query": "When is the flight?", "user_id": "ana", "session_id": "trip"})
-    assert ctx.status_code == 200
-    assert "Tokyo" in ctx.json()["text"]
+                   json={"query": "When is my flight?", "user_id": "ana", "session_id": "trip",
+                         "budget_tokens": 500})
+    assert ctx.status_code == 200, ctx.text
+    body = ctx.json()
+    assert "Tokyo" in body["text"] and body["total_tokens"] <= 500
+    assert body["messages"][-1] == {"role": "user", "content": "When is my flight?"}
+    r = svc.call("a-member", "POST", "/v1/sessions/trip/messages",
+                 json={"messages": [{"role": "robot", "content": "beep"}]})
+    assert r.status_code == 422
     assert svc.call("a-member", "DELETE", "/v1/sessions/trip",
                     params={"user_id": "ana"}).status_code == 403
     assert svc.call("a-admin", "DELETE", "/v1/sessions/trip",
                     params={"user_id": "ana"}).status_code == 204
     assert svc.call("a-member", "GET", "/v1/sessions/trip").status_code == 404
+    assert svc.call("a-member", "GET", "/v1/memories", params={"session_id": "trip"}).json()[
+        "items"] == []
+
+
+def test_background_add_and_job(svc: Service) -> None:
+    r = svc.call("a-member", "POST", "/v1/memories",
+                 json={"messages": "Ana's sister is called Rita", "user_id": "ana", "background": True})
+    assert r.status_code == 202, r.text
+    job = r.json()["job"]
+    assert job["status"] in ("queued", "running", "done") and r.json()["memories"] == []
+    for _ in range(200):  # the in-process worker runs it; poll the route as a client would
+        got = svc.call("a-member", "GET", f"/v1/jobs/{job['id']}").json()
+        if got["status"] in ("done", "failed"):
+            break
+        svc.call("a-member", "GET", "/health")
+    assert got["status"] == "done", got
+    texts = [m["text"] for m in svc.call("a-member", "GET", "/v1/memories").json()["items"]]
+    assert texts == ["Ana's sister is called Rita"]
+    assert svc.call("b-member", "GET", f"/v1/jobs/{job['id']}").status_code == 404
+
+
+def test_idempotency_key_retried_100_times_adds_once(svc: Service) -> None:
+    body = {"messages": "Ana booked the 9:40 train", "user_id": "ana"}
+    headers = {"Idempotency-Key": "req-7f3a-0001"}
+    first = svc.call("a-member", "POST", "/v1/memories", json=body, headers=headers)
+    assert first.status_code == 201
+    ids = {first.json()["memories"][0]["id"]}
+    for _ in range(99):
+        r = svc.call("a-member", "POST", "/v1/memories", json=body, headers=headers)
+        assert r.status_code == 201
+        ids.add(r.json()["memories"][0]["id"])
+    assert len(ids) == 1
+    items = svc.call("a-member", "GET", "/v1/memories", params={"limit": 100}).json()["items"]
+    assert [m["text"] for m in items] == ["Ana booked the 9:40 train"]
+
+    other = svc.call("a-member", "POST", "/v1/memories", headers=headers,
+                     json={"messages": "Ana booked the 11:00 train", "user_id": "ana"})
+    assert other.status_code == 409 and error_code(other) == "conflict"
+    # Keys are per tenant: tenant b's request under the same key is its own.
+    assert svc.call("b-member", "POST", "/v1/memories", json=body, headers=headers).status_code == 201
+    assert len(svc.call("a-member", "GET", "/v1/memories").json()["items"]) == 1
 
 
 # -- auth --------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ the server's thread pool, because `Memory` is synchronous.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import tempfile
@@ -17,13 +16,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi import Path as PathParam
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import InvalidFilter, InvalidInput, NotFound
+from ..errors import InvalidFilter, NotFound
 from ..memory import Memory
-from ..model import Job, Kind, new_id
+from ..model import Kind, Session
+from ..working.session import list_sessions
 from .auth import Principal, require_admin
 from .errors import ServiceError
 from .ratelimit import retry_after_header
@@ -46,6 +47,7 @@ from .schemas import (
     SearchOut,
     SessionIn,
     SessionMessagesIn,
+    SessionMessagesOut,
     SessionOut,
     UpdateIn,
     as_messages,
@@ -91,15 +93,6 @@ MemoryId = Annotated[str, PathParam(min_length=1, max_length=MAX_ID)]
 ScopeQ = Annotated[str | None, Query(min_length=1, max_length=MAX_ID)]
 
 
-def _supports(method: Any, *params: str) -> bool:
-    """Whether this engram's `Memory` has a feature yet (background jobs, sessions)."""
-    try:
-        names = inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
-    return all(p in names for p in params)
-
-
 # -- memories ----------------------------------------------------------------------------------
 
 @router.post("/memories", status_code=201, response_model=AddOut, tags=["memories"],
@@ -113,16 +106,14 @@ def add_memories(body: AddIn, ctx: Context,
     kwargs: dict[str, Any] = dict(
         **body.scope(), metadata=body.metadata, observed_at=body.observed_at, infer=body.infer,
         kind=body.kind, importance=body.importance, expires_at=body.expires_at)
-    if body.background or idempotency_key is not None:
-        if not _supports(ctx.mem.add, "background", "idempotency_key"):
-            raise InvalidInput("background adds and Idempotency-Key need the job queue, which this "
-                               "engram does not have yet")
-        kwargs.update(background=body.background, idempotency_key=idempotency_key)
-    result = ctx.mem.add(as_messages(body.messages), **kwargs)
-    if isinstance(result, Job):
-        return JSONResponse({"memories": [], "events": [], "job": result.to_dict()}, status_code=202)
-    return {"memories": [m.to_dict() for m in result.memories],
-            "events": [e.to_dict() for e in result.events], "job": None}
+    result = ctx.mem.add(as_messages(body.messages), **kwargs, background=body.background,
+                         idempotency_key=idempotency_key)
+    out = {"memories": [m.to_dict() for m in result.memories],
+           "events": [e.to_dict() for e in result.events], "notes": list(result.notes),
+           "job": result.job.to_dict() if result.job else None}
+    if result.job is not None and body.background:
+        return JSONResponse(jsonable_encoder(AddOut.model_validate(out)), status_code=202)
+    return out
 
 
 @router.post("/memories/search", response_model=SearchOut, tags=["memories"])
@@ -184,10 +175,7 @@ def erase(body: EraseIn, ctx: Context) -> Any:
 
 @router.get("/jobs/{id}", response_model=JobOut, tags=["jobs"], responses=_errors(404))
 def get_job(id: MemoryId, ctx: Context) -> Any:
-    job = ctx.mem.job(id) if hasattr(ctx.mem, "job") else ctx.mem.store.job(id)
-    if job is None:
-        raise NotFound(f"no job with id {id!r}")
-    return job.to_dict()
+    return ctx.mem.job(id).to_dict()
 
 
 # -- export / import ---------------------------------------------------------------------------
@@ -229,73 +217,58 @@ async def import_(request: Request, ctx: Context) -> Any:
 
 
 # -- sessions and context ----------------------------------------------------------------------
-# Until `Memory.session` exists, a session is its scope: its messages are the episodes with its
-# session_id, and deleting it erases them.
 
 SessionId = Annotated[str, PathParam(min_length=1, max_length=MAX_ID)]
 
 
-def _session_out(mem: Memory, user_id: str | None, agent_id: str | None, session_id: str,
-                 require: bool) -> dict[str, Any]:
-    page = mem.list(user_id=user_id, agent_id=agent_id, session_id=session_id, limit=1)
-    if require and not page.items:
-        raise NotFound(f"no session with id {session_id!r}")
-    first = page.items[0] if page.items else None
-    created = first.created_at.isoformat() if first else None
-    return {"scope": {"user_id": user_id, "agent_id": agent_id, "session_id": session_id},
-            "policy": {}, "created_at": created, "updated_at": created, "summary": "",
-            "summary_upto": None, "metadata": {}, "ended_at": None}
+def _find_session(mem: Memory, id: str, user_id: str | None, agent_id: str | None) -> Session:
+    """The stored session with this id (in the given user / agent scope, if any)."""
+    found = list_sessions(mem, user_id=user_id, agent_id=agent_id, session_id=id, limit=1)
+    if not found:
+        raise NotFound(f"no session with id {id!r}")
+    return found[0]
 
 
 @router.post("/sessions", status_code=201, response_model=SessionOut, tags=["sessions"])
 def create_session(body: SessionIn, ctx: Context) -> Any:
-    from ..model import utcnow
-
-    sid = body.session_id or new_id()
-    now = utcnow().isoformat()
-    return {"scope": {"user_id": body.user_id, "agent_id": body.agent_id, "session_id": sid},
-            "policy": body.policy or {}, "created_at": now, "updated_at": now, "summary": "",
-            "summary_upto": None, "metadata": body.metadata or {}, "ended_at": None}
+    """Start (or resume) a session; it is stored with its first message."""
+    handle = ctx.mem.session(session_id=body.session_id, user_id=body.user_id,
+                             agent_id=body.agent_id, policy=body.policy, metadata=body.metadata)
+    return handle.info().to_dict()
 
 
 @router.get("/sessions/{id}", response_model=SessionOut, tags=["sessions"], responses=_errors(404))
 def get_session(id: SessionId, ctx: Context, user_id: ScopeQ = None, agent_id: ScopeQ = None) -> Any:
-    return _session_out(ctx.mem, user_id, agent_id, id, require=True)
+    return _find_session(ctx.mem, id, user_id, agent_id).to_dict()
 
 
 @router.delete("/sessions/{id}", status_code=204, tags=["sessions"], responses=_errors(403, 404))
 def delete_session(id: SessionId, ctx: Context, user_id: ScopeQ = None,
                    agent_id: ScopeQ = None) -> Response:
-    """Erase the session and its messages (an admin key: this is an erasure)."""
+    """Erase the session: its messages, summaries and row (an admin key: this is an erasure)."""
     require_admin(ctx.principal, "deleting a session")
-    _session_out(ctx.mem, user_id, agent_id, id, require=True)
-    ctx.mem.erase(user_id=user_id, agent_id=agent_id, session_id=id)
+    scope = _find_session(ctx.mem, id, user_id, agent_id).scope
+    ctx.mem.session(session_id=id, user_id=scope.user_id, agent_id=scope.agent_id).delete()
     return Response(status_code=204)
 
 
-@router.post("/sessions/{id}/messages", status_code=201, response_model=AddOut, tags=["sessions"])
+@router.post("/sessions/{id}/messages", status_code=201, response_model=SessionMessagesOut,
+             tags=["sessions"])
 def add_session_messages(id: SessionId, body: SessionMessagesIn, ctx: Context,
                          user_id: ScopeQ = None, agent_id: ScopeQ = None) -> Any:
-    result = ctx.mem.add(as_messages(body.messages), user_id=user_id, agent_id=agent_id,
-                         session_id=id, observed_at=body.observed_at, metadata=body.metadata)
-    return {"memories": [m.to_dict() for m in result.memories],
-            "events": [e.to_dict() for e in result.events], "job": None}
+    """Append chat messages (OpenAI shape, tool calls included) to the session."""
+    handle = ctx.mem.session(session_id=id, user_id=user_id, agent_id=agent_id)
+    stored = handle.add([m.as_message() for m in body.messages])
+    return {"memories": [m.to_dict() for m in stored]}
 
 
 @router.post("/context", response_model=ContextOut, tags=["sessions"])
 def context(body: ContextIn, ctx: Context) -> Any:
-    """What to put in the next prompt: the session's recent messages and the relevant memories."""
-    recent: list[Any] = []
-    if body.session_id is not None:
-        recent = ctx.mem.list(user_id=body.user_id, agent_id=body.agent_id,
-                              session_id=body.session_id, kinds=["episodic"], limit=MAX_PAGE).items
-        recent = recent[-body.limit:]
-    hits = ctx.mem.search(body.query, user_id=body.user_id, agent_id=body.agent_id,
-                          limit=body.limit)
-    lines = [f"{m.name or m.role or 'user'}: {m.text}" for m in recent]
-    facts = [f"- {h.memory.text}" for h in hits]
-    text = "\n".join((["Relevant memories:", *facts] if facts else [])
-                     + (["", "Recent messages:", *lines] if lines else []))
-    return {"text": text, "messages": [m.to_dict() for m in recent],
-            "hits": [{"memory": h.memory.to_dict(), "score": h.score, "explain": h.explain}
-                     for h in hits]}
+    """The messages to send to a model next, within `budget_tokens`: instructions and the
+    relevant memories as quoted data, the session per its policy, then the new message."""
+    assembled = ctx.mem.context(body.query, user_id=body.user_id, agent_id=body.agent_id,
+                                session_id=body.session_id, budget_tokens=body.budget_tokens,
+                                instructions=body.instructions)
+    return {"messages": assembled.messages, "text": assembled.text,
+            "blocks": {name: b.to_dict() for name, b in assembled.blocks.items()},
+            "total_tokens": assembled.total_tokens, "budget_tokens": assembled.budget_tokens}

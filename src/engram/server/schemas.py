@@ -9,7 +9,7 @@ size, valid times, metadata) stay in `Memory` and come back as 422 `invalid_inpu
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,21 +92,34 @@ class SessionIn(_In):
     session_id: Id | None = Field(None, description="Chosen by the caller, or generated.")
     user_id: Id | None = None
     agent_id: Id | None = None
-    policy: dict[str, Any] | None = None
+    policy: str | dict[str, Any] | None = Field(
+        None, description='What the model sees of the session: a policy name such as "summary", '
+                          "or its settings (see engram.working)")
     metadata: dict[str, Any] | None = None
+
+
+class ChatMessageIn(_In):
+    """A chat message in OpenAI shape; tool calls and tool results are kept exactly."""
+
+    role: Literal["user", "assistant", "system", "tool"] = "user"
+    content: str | None = None
+    name: Annotated[str, Field(min_length=1, max_length=MAX_ID)] | None = None
+    tool_calls: Annotated[list[dict[str, Any]], Field(min_length=1, max_length=128)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=MAX_ID)] | None = None
+    metadata: dict[str, Any] | None = None
+
+    def as_message(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
 
 
 class SessionMessagesIn(_In):
-    messages: Messages
-    observed_at: datetime | None = None
-    metadata: dict[str, Any] | None = None
+    messages: Annotated[list[ChatMessageIn], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
 class ContextIn(ScopeIn):
-    query: str
-    session_id: Id | None = None
-    limit: Limit = 10
-    max_tokens: Annotated[int, Field(ge=1, le=200_000)] | None = None
+    query: str = Field(description="The new user message the context is assembled for.")
+    budget_tokens: Annotated[int, Field(ge=64, le=200_000)] = 2000
+    instructions: Annotated[str, Field(max_length=20_000)] | None = None
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -169,6 +182,7 @@ class JobOut(BaseModel):
 class AddOut(BaseModel):
     memories: list[MemoryOut] = Field(description="What the add stored or touched (empty for a queued job).")
     events: list[EventOut]
+    notes: list[str] = Field(default_factory=list, description="Why less was learned than asked.")
     job: JobOut | None = Field(None, description="The queued job when `background` is true.")
 
 
@@ -210,10 +224,25 @@ class SessionOut(BaseModel):
     ended_at: datetime | None
 
 
+class BlockOut(BaseModel):
+    name: str
+    priority: int
+    budget: int
+    tokens: int
+    items: int
+    dropped: int
+
+
 class ContextOut(BaseModel):
-    text: str = Field(description="The assembled context, ready for a prompt.")
-    messages: list[MemoryOut] = Field(description="The recent messages of the session.")
-    hits: list[HitOut] = Field(description="The relevant long-term memories.")
+    messages: list[dict[str, Any]] = Field(description="Chat messages to send to the model next.")
+    text: str = Field(description="The same context as one plain text.")
+    blocks: dict[str, BlockOut] = Field(description="What each block (memories, session, ...) used.")
+    total_tokens: int
+    budget_tokens: int
+
+
+class SessionMessagesOut(BaseModel):
+    memories: list[MemoryOut] = Field(description="The stored messages (episodes of the session).")
 
 
 class ErrorDetail(BaseModel):
