@@ -252,8 +252,10 @@ class PostgresKeyStore:
         self.url = url
         # A small pool; `open=False` then `open(wait=False)`: a service can start while the
         # database is still down and become ready when it returns.
+        # `check`: a connection broken by a server restart is replaced at checkout instead of
+        # failing the request that drew it.
         self._pool = ConnectionPool(url, min_size=1, max_size=8, open=False,
-                                    timeout=connect_timeout_s,
+                                    timeout=connect_timeout_s, check=ConnectionPool.check_connection,
                                     kwargs={"connect_timeout": max(1, int(connect_timeout_s)),
                                             "autocommit": True})
         self._pool.open(wait=False)
