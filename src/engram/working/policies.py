@@ -330,9 +330,11 @@ class Fold:
 
 def fold_boundary(pending: Sequence[SessionMessage], keep_recent: int) -> int:
     """Where the verbatim tail begins: the last safe start that keeps at least `keep_recent`
-    messages (0: nothing can be folded yet)."""
+    messages (0: nothing can be folded yet). The tail is never empty: it starts at a user (or
+    system) message, so whatever arrives next follows one, and the view never opens with an
+    assistant reply after its summary."""
     cut = len(pending) - keep_recent
-    starts = [i for i in safe_starts(pending) if i <= cut]
+    starts = [i for i in safe_starts(pending)[:-1] if i <= cut]
     return starts[-1] if starts else 0
 
 

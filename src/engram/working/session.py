@@ -166,7 +166,13 @@ class SessionHandle:
         """Append messages (a string is a user message; dicts in OpenAI chat shape, tool calls
         and tool results included). Returns the stored episodes. Summaries catch up in the
         background: `add` never waits for a model."""
-        items = [messages] if isinstance(messages, str | Mapping) else list(messages)
+        if isinstance(messages, str | Mapping):
+            items: list[Any] = [messages]
+        elif isinstance(messages, Sequence) and not isinstance(messages, bytes | bytearray):
+            items = list(messages)
+        else:
+            raise InvalidInput(f"messages must be a string, a mapping or a list of them, "
+                               f"not {type(messages).__name__}")
         if not items:
             raise InvalidInput("messages is empty")
         now = utcnow()
@@ -318,9 +324,8 @@ class SessionHandle:
             Fold(0, digests.summary, pending, lower), END_SUMMARY_TOKENS)
         if not text.strip():
             text = "\n".join(m.text for m in pending)[:2000] or "(empty session)"
-        summary = self._write_summary(row, records, text, mode)
-        self._extract()
-        return summary
+        self._extract()  # first: what the session said, not its summary
+        return self._write_summary(row, records, text, mode)
 
     def _write_summary(self, row: Session, records: list[MemoryRecord], text: str,
                        mode: str) -> MemoryRecord:
@@ -392,7 +397,6 @@ def open_session(memory: Memory, *, session_id: str | None, user_id: str | None,
                  agent_id: str | None, policy: Policy | Mapping[str, Any] | str | None,
                  metadata: Mapping[str, Any] | None, catch_up: bool = True) -> SessionHandle:
     from ..memory import _metadata, _scope
-    from ..providers.llms import get_llm
 
     scope = _scope(user_id, agent_id, session_id if session_id is not None else new_id())
     wanted = as_policy(policy)
@@ -401,10 +405,7 @@ def open_session(memory: Memory, *, session_id: str | None, user_id: str | None,
     stored = from_dict(row.policy) if row is not None and row.policy else None
     chosen = wanted or stored or DEFAULT_POLICY
 
-    def llm() -> LLM | None:
-        return getattr(memory, "llm", None) or get_llm(memory.config)
-
-    handle = SessionHandle(memory, scope, chosen, llm=llm, metadata=meta)
+    handle = SessionHandle(memory, scope, chosen, llm=getattr(memory, "llm", None), metadata=meta)
     if row is not None and (chosen != stored or (meta is not None and meta != row.metadata)):
         handle._save_settings(meta)
     if catch_up and row is not None and chosen.summarizes:

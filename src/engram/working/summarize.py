@@ -28,7 +28,7 @@ log = logging.getLogger("engram.working")
 
 _SENTENCE = re.compile(r"(?<=[.!?])\s+|\n+")
 _DATED = re.compile(r"^\[(\d{4}-\d{2}-\d{2})\]\s*(.*)$")
-_DATE_COST = 8  # tokens of "[2024-05-01] ", counted on every line to stay within budget
+_DATE_COST = 8  # tokens of "[2024-05-01] ", paid once per day the chosen lines span
 MIN_GAIN = 1e-3
 CACHE_SIZE = 4096  # sentence vectors kept: a running summary's lines come back at every fold
 
@@ -123,11 +123,13 @@ def extractive(candidates: Sequence[Sentence], embed: Callable[[list[str]], np.n
     is squared so that small talk neither pulls the choice nor gets chosen. Earlier summary
     lines weigh double: each already stands for several messages.
     """
-    cands = [c for c in candidates if len(words(c.text)) >= 2 or re.search(r"\d", c.text)]
+    unique = {c.line(): c for c in reversed(candidates)}  # a repeated sentence counts once
+    cands = [c for c in candidates if unique.get(c.line()) is c
+             and (len(words(c.text)) >= 2 or re.search(r"\d", c.text))]
     if not cands:
         return ""
-    costs = np.array([tokenizer.count(c.line()) + 1 + _DATE_COST for c in cands], dtype=np.float64)
-    if costs.sum() <= max_tokens:
+    costs = np.array([tokenizer.count(c.line()) + 1 for c in cands], dtype=np.float64)
+    if costs.sum() + _DATE_COST * len({c.day for c in cands}) <= max_tokens:
         return render(cands)
     vecs = embed([c.line() for c in cands]).astype(np.float64)
     sims = np.clip(vecs @ vecs.T, 0.0, None)
@@ -135,20 +137,24 @@ def extractive(candidates: Sequence[Sentence], embed: Callable[[list[str]], np.n
     weights = info * np.array([2.0 if c.earlier else 1.0 for c in cands])
     covered = np.zeros(len(cands))
     chosen: list[int] = []
+    days: set[date | None] = set()
     left = float(max_tokens)
     available = np.ones(len(cands), dtype=bool)
     while True:
-        available &= costs <= left
+        # a line from a day not chosen yet also pays for that day's "[date]" prefix
+        cost = costs + np.array([0 if c.day in days else _DATE_COST for c in cands])
+        available &= cost <= left
         if not available.any():
             break
         gains = (np.clip(sims - covered[None, :], 0.0, None) * weights[None, :]).sum(axis=1)
-        scores = np.where(available, gains * info / np.sqrt(costs), -1.0)
+        scores = np.where(available, gains * info / np.sqrt(cost), -1.0)
         best = int(np.argmax(scores))
         if scores[best] <= MIN_GAIN:
             break
         chosen.append(best)
         available[best] = False
-        left -= costs[best]
+        left -= cost[best]
+        days.add(cands[best].day)
         covered = np.maximum(covered, sims[best])
     return render([cands[i] for i in sorted(chosen)])
 
