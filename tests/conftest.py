@@ -22,13 +22,41 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from engram import Memory  # noqa: E402
 from engram.providers.embedders import MiniLM  # noqa: E402
 from engram.store import SQLiteStore, Store  # noqa: E402
+from pg_server import PG  # noqa: E402
 
 StoreFactory = Callable[[Path], Store]
 
 STORES: dict[str, StoreFactory] = {
     "sqlite": lambda directory: SQLiteStore(directory / "store.db"),
-    # "postgres": lambda directory: PostgresStore(<a fresh database per test>),
+    # one PostgreSQL server per session (started on first use), a fresh database per directory
+    "postgres": lambda directory: _postgres_store(directory),
 }
+
+
+def _postgres_store(directory: Path) -> Store:
+    from engram.store.postgres import PostgresStore
+
+    return PostgresStore(PG.database_for(directory))
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[Any]:
+    """The session's PostgreSQL (pgvector; see tests/pg_server.py), for tests that need it
+    directly: `pg_server.create_database()`, `pg_server.url(name)`, `pg_server.admin()`."""
+    yield PG.start()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _pg_stop() -> Iterator[None]:
+    yield
+    PG.stop()
+
+
+@pytest.fixture(autouse=True)
+def _pg_drop_databases() -> Iterator[None]:
+    """Drop the databases a test's store factories made (a no-op for SQLite-only tests)."""
+    yield
+    PG.drop_databases()
 
 
 @pytest.fixture(scope="session", autouse=True)
