@@ -130,6 +130,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 400:  # a body FastAPI could not parse: bad input like any other
+            return error_response(422, "invalid_input", f"the request body cannot be read: {exc.detail}")
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, code, str(exc.detail), dict(exc.headers or {}))
 
