@@ -1,12 +1,13 @@
 # Two commands set everything up on a fresh machine: `make run` and `make test`.
 VENV   ?= .venv
+PORT   ?= 8000
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install dev run test lint bench-locomo bench-scale clean
+.PHONY: install dev run test lint bench-locomo bench-scale bench-load clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -27,8 +28,10 @@ $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 install: $(VENV)/.installed
 dev: $(VENV)/.dev-installed
 
+# The demo, then the REST service on the embedded default, local only (no API keys: it says so).
 run: install
 	$(VENV)/bin/engram demo
+	$(VENV)/bin/engram serve --no-auth --host 127.0.0.1 --port $(PORT)
 
 test: dev
 	$(VENV)/bin/ruff check src tests bench
@@ -40,6 +43,9 @@ bench-locomo: install
 
 bench-scale: install
 	$(PY) bench/scale.py
+
+bench-load: dev
+	$(PY) bench/load.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
