@@ -145,6 +145,32 @@ def hnsw_index_sql(dim: int) -> str:
             f"USING hnsw ((vector::vector({d})) vector_cosine_ops) WHERE dim = {d}")
 
 
+def dense_source(dim: int, where: str) -> str:
+    """FROM/WHERE of a dense search over the keys of one kind and dimension; parameters:
+    tenant, key kind, then those of `where` (a `compile_query` clause)."""
+    return ("FROM memory_keys k JOIN memories m ON m.tenant = k.tenant AND m.id = k.memory_id "
+            f"WHERE k.tenant = %s AND k.kind = %s AND k.dim = {int(dim)} AND {where}")
+
+
+def dense_exact_sql(source: str) -> str:
+    """Every visible key scored (the untyped expression matches no index, so this is a scan);
+    parameters: the query vector, `source`'s, k."""
+    return (f"SELECT k.memory_id, max(1 - (k.vector <=> %s::vector)) AS s {source} "
+            "GROUP BY k.memory_id ORDER BY s DESC, k.memory_id LIMIT %s")
+
+
+def dense_ann_sql(dim: int, source: str) -> str:
+    """The nearest keys by the dimension's HNSW index (the ORDER BY matches its expression);
+    parameters: the query vector, `source`'s, the query vector again, the pool size, k.
+    Iterative scans in relaxed order may return a few rows out of order: sorted again outside."""
+    d = int(dim)
+    typed = f"(k.vector::vector({d})) <=> %s::vector({d})"
+    return (f"WITH c AS MATERIALIZED (SELECT k.memory_id, {typed} AS d {source} "
+            f"ORDER BY (k.vector::vector({d})) <=> %s::vector({d}) LIMIT %s) "
+            "SELECT memory_id, 1 - min(d) AS s FROM c GROUP BY memory_id "
+            "ORDER BY s DESC, memory_id LIMIT %s")
+
+
 # -- record columns --------------------------------------------------------------------------
 
 COLUMNS = (

