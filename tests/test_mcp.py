@@ -334,9 +334,6 @@ def test_graph_deletes_are_soft_and_audited(mem: Memory) -> None:
     assert kg.delete_relations(mem, [kg.Relation("Bob", "Ana", "knows")], OWNER) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="consolidate.decide merges near-duplicate facts even when their "
-                   "metadata disagree (here relation_type), and the merge keeps only one side: needs a "
-                   "metadata-conflict guard in pipeline/consolidate.py (not this module's file)")
 def test_relations_that_differ_only_in_type_stay_two(mem: Memory) -> None:
     kg.create_entities(mem, [kg.Entity("Bob", "person"), kg.Entity("Ana", "person")], OWNER)
     both = [kg.Relation("Bob", "Ana", "knows"), kg.Relation("Bob", "Ana", "knows_well")]

@@ -119,12 +119,12 @@ def test_near_duplicate_fact_merges_with_provenance_of_both(mem: Memory) -> None
     first = mem.add("Ana lives in Lisbon", user_id="ana", kind="semantic",
                     metadata={"src": "chat", "a": 1}).memories[0]
     res = mem.add("Ana lives in Lisbon, Portugal", user_id="ana", kind="semantic",
-                  metadata={"src": "profile"}, importance=0.9)
+                  metadata={"src": "chat", "b": 2}, importance=0.9)
     assert [e.type for e in res.events] == [EventType.MERGE]
     merged = res.memories[0]
     assert merged.id == first.id
     assert merged.text == "Ana lives in Lisbon, Portugal"  # the more informative text
-    assert merged.metadata == {"src": "profile", "a": 1}
+    assert merged.metadata == {"src": "chat", "a": 1, "b": 2}
     assert merged.importance == 0.9
     assert first.id in merged.provenance
     assert len(merged.provenance) == 2  # ... and the merged-in newcomer
@@ -133,6 +133,10 @@ def test_near_duplicate_fact_merges_with_provenance_of_both(mem: Memory) -> None
     assert [e.type for e in hist] == [EventType.ADD, EventType.MERGE]
     assert hist[1].before["text"] == "Ana lives in Lisbon"
     assert hist[1].after["text"] == "Ana lives in Lisbon, Portugal"
+    # metadata that disagrees (here a relation's type) makes it another fact, never a merge
+    other = mem.add("Ana lives in Lisbon, Portugal, Europe", user_id="ana", kind="semantic",
+                    metadata={"src": "profile"})
+    assert [e.type for e in other.events] == [EventType.ADD]
     assert mem.get(first.id) == merged
     # the merged text is what is indexed now
     assert mem.search("Portugal", user_id="ana")[0].memory.id == first.id

@@ -34,8 +34,8 @@ EXIT_INVALID = 2
 EXIT_ERROR = 3
 
 # The order stages are shown in; keys a future stage adds are appended after these.
-STAGES = ("dense", "window", "lexical", "fused", "speaker", "when", "session", "recency", "importance",
-          "score")
+STAGES = ("dense", "window", "fact", "lexical", "fused", "speaker", "when", "session", "recency",
+          "importance", "score")
 
 app = typer.Typer(
     name="engram",
@@ -799,6 +799,158 @@ def serve(ctx: typer.Context,
                    err=True)
         application = create_app(config, auth=not no_auth, limits=limits)
     uvicorn.run(application, host=host, port=port, log_level="info", access_log=False)
+
+
+# -- sessions and chat (engram/working, engram/chat.py) ----------------------------------------
+
+sessions_app = typer.Typer(help="Persisted conversations: list, show, delete.", no_args_is_help=True)
+app.add_typer(sessions_app, name="sessions")
+MAX_SESSIONS = 1000
+
+
+def _one_session(mem: Memory, session_id: str, user: str | None, agent: str | None) -> Any:
+    """The session with this id in the given scope; refuses an ambiguous id."""
+    found = [s for s in mem.sessions(user_id=user, agent_id=agent, limit=MAX_SESSIONS)
+             if s.scope.session_id == session_id]
+    if not found:
+        raise NotFound(f"no session {session_id!r}" + (f" for user {user!r}" if user else ""))
+    if len(found) > 1:
+        raise InvalidInput(f"session id {session_id!r} exists in {len(found)} scopes; "
+                           "add --user / --agent")
+    return found[0]
+
+
+@sessions_app.command("list")
+def sessions_list(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
+                  limit: LimitOpt = 50, db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Stored sessions, most recently updated first."""
+    state = _state(ctx, db, as_json)
+    with _memory(state) as mem:
+        found = mem.sessions(user_id=user, agent_id=agent, limit=limit)
+    if state.json:
+        _print_json([s.to_dict() for s in found])
+        return
+    if not found:
+        typer.echo("no sessions", err=True)
+        return
+    from rich.table import Table
+
+    table = Table()
+    for col in ("session", "user", "agent", "policy", "updated", "ended", "summary"):
+        table.add_column(col)
+    for s in found:
+        table.add_row(_text(s.scope.session_id or ""), _text(s.scope.user_id or ""),
+                      _text(s.scope.agent_id or ""), s.policy.get("name", ""),
+                      _date(s.updated_at), _date(s.ended_at) if s.ended_at else "",
+                      _text(" ".join(s.summary.split())[:60]))
+    _console().print(table)
+
+
+@sessions_app.command("show")
+def sessions_show(ctx: typer.Context,
+                  session_id: Annotated[str, typer.Argument(metavar="ID", help="A session id.")],
+                  user: UserOpt = None, agent: AgentOpt = None,
+                  db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """A session: its policy, summary and messages."""
+    state = _state(ctx, db, as_json)
+    with _memory(state) as mem, _guard():
+        row = _one_session(mem, session_id, user, agent)
+        s = mem.session(session_id=session_id, user_id=row.scope.user_id,
+                        agent_id=row.scope.agent_id)
+        messages = s.messages()
+    if state.json:
+        _print_json({**row.to_dict(), "messages": [
+            {**m.to_chat(), "id": m.id, "at": m.at.isoformat() if m.at else None}
+            for m in messages]})
+        return
+    console = _console()
+    console.print(f"[bold]session {session_id}[/] of {_scope_text(row.scope)}: policy "
+                  f"{row.policy}, {len(messages)} messages, updated {_date(row.updated_at)}"
+                  + (f", ended {_date(row.ended_at)}" if row.ended_at else ""), highlight=False)
+    if row.summary:
+        console.print("[bold]summary[/]")
+        console.print(_text(row.summary))
+    for m in messages:
+        who = m.name or m.role
+        console.print(_text(f"{_date(m.at)} {who}: {m.text}"))
+
+
+def _scope_text(scope: Any) -> str:
+    return ", ".join(f"{k}={v}" for k, v in scope.as_dict().items() if v and k != "session_id") or "-"
+
+
+@sessions_app.command("delete")
+def sessions_delete(ctx: typer.Context,
+                    session_id: Annotated[str, typer.Argument(metavar="ID", help="A session id.")],
+                    user: UserOpt = None, agent: AgentOpt = None,
+                    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+                    db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Erase a session: its messages, summaries and row (extracted facts stay)."""
+    state = _state(ctx, db, as_json)
+    with _memory(state) as mem, _guard():
+        row = _one_session(mem, session_id, user, agent)
+        if not yes and not typer.confirm(f"erase session {session_id} and its messages?"):
+            _fail("not confirmed", EXIT_NOT_FOUND)
+        erased = mem.session(session_id=session_id, user_id=row.scope.user_id,
+                             agent_id=row.scope.agent_id).delete()
+    if state.json:
+        _print_json({"deleted": session_id, "erased": erased})
+    else:
+        typer.echo(f"deleted session {session_id} ({erased} memories erased)")
+
+
+@app.command()
+def chat(ctx: typer.Context,
+         user: Annotated[str | None, typer.Option(
+             "--user", "-u", metavar="ID", help="Who you are (default: your login name).")] = None,
+         agent: AgentOpt = None,
+         session: Annotated[str | None, typer.Option(
+             "--session", "-s", metavar="ID", help="Resume this session (default: a new one).")]
+         = None,
+         policy: Annotated[str, typer.Option(
+             "--policy", help="What the model sees of a new session: all, window, tokens, turns, "
+                              "summary, incremental, progressive.")] = "incremental",
+         budget: Annotated[int, typer.Option(
+             "--budget", help="Context budget per answer, in tokens.")] = 2000,
+         max_tokens: Annotated[int, typer.Option(
+             "--max-tokens", help="Longest answer, in tokens.")] = 512,
+         end: Annotated[bool, typer.Option(
+             "--end/--no-end", help="On leaving, write the session summary and extract facts.")]
+         = True,
+         db: DbOpt = None) -> None:
+    """Chat with an OpenAI-compatible model that remembers you across runs."""
+    import getpass
+
+    from .chat import NO_ENDPOINT, Chat, ChatSettings
+    from .config import Config
+    from .providers.llms import get_llm
+
+    state = _state(ctx, db, False)
+    with _guard():
+        config = Config.from_env(path=state.db)
+        llm = get_llm(config)
+    if llm is None:
+        typer.echo(NO_ENDPOINT)
+        raise typer.Exit(EXIT_OK)
+    from contextlib import suppress
+
+    with suppress(ImportError):  # line editing and history at the prompt, where there is readline
+        import readline  # noqa: F401
+    with _guard():
+        from .working.policies import as_policy
+
+        as_policy(policy)  # a bad name fails before the model loads
+        from .memory import Memory
+
+        mem = Memory(config=config, llm=llm)
+        try:
+            settings = ChatSettings(user_id=user or getpass.getuser() or "me", agent_id=agent,
+                                    session_id=session, policy=policy, budget_tokens=budget,
+                                    max_tokens=max_tokens, end=end)
+            code = Chat(mem, settings).run()
+        finally:
+            mem.close()
+    raise typer.Exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -178,6 +178,12 @@ class Memory:
         learned: list[_Learned] = []
         if req.infer and req.kind is Kind.EPISODIC:
             learned = self._learn(records, req.scope, extraction.EXTRACT, now, notes)
+        # A turn is also found by what was learned from it: each extracted fact becomes an
+        # extra `fact` key of its source episodes.
+        fact_keys: dict[str, list[Key]] = {}
+        for item in learned:
+            for source in item.record.provenance:
+                fact_keys.setdefault(source, []).append(Key("fact", item.index[0][0].vector))
         with self.store.write() as tx:
             # Reads first (neighbours for consolidation), writes after.
             neighbours = {r.id: self._neighbours(r, index[r.id][0][0].vector, now)
@@ -215,7 +221,8 @@ class Memory:
                     reason = decision.reason
                     if rec.kind is Kind.EPISODIC and notes:
                         reason = f"{reason}; {'; '.join(notes)}"  # the history says why no facts
-                    tx.insert(rec, *index[rec.id])
+                    keys, lexical = index[rec.id]
+                    tx.insert(rec, [*keys, *fact_keys.get(rec.id, [])], lexical)
                     ev = _event(EventType.ADD, rec, now, after=rec, reason=reason)
                     batch.append((rec, vec))
                     stored.append(rec)
@@ -841,17 +848,18 @@ class Memory:
         cfg = self.retrieval
         n = max(cfg.candidates, limit)
         ranked: dict[str, builtins_list[tuple[str, float]]] = {}
-        if cfg.dense_weight or cfg.window_weight:
+        if cfg.dense_weight or cfg.window_weight or cfg.fact_weight:
             if vector is None:
                 vector = self.embedder.embed_batch([text])[0]
             for label, key, w in (("dense", "text", cfg.dense_weight),
-                                  ("window", "window", cfg.window_weight)):
+                                  ("window", "window", cfg.window_weight),
+                                  ("fact", "fact", cfg.fact_weight)):
                 if w:
                     ranked[label] = self.store.dense(q, vector, n, key=key)
         if cfg.lexical_weight:
             ranked["lexical"] = self.store.lexical(q, terms(text), n, cfg.context_weight)
         fused = fuse(ranked, {"dense": cfg.dense_weight, "window": cfg.window_weight,
-                              "lexical": cfg.lexical_weight}, cfg)
+                              "fact": cfg.fact_weight, "lexical": cfg.lexical_weight}, cfg)
         return rank(fused, self.store.candidates(list(fused)), text, cfg, q.as_of or q.now)[:limit]
 
     def history(self, id: str) -> Events:
@@ -1028,6 +1036,9 @@ class AsyncMemory:
 
     async def wait(self, job_id: str, timeout: float | None = None) -> Job:
         return await self._run(self.sync.wait, job_id, timeout)
+
+    async def work(self, **kwargs: Any) -> int:
+        return await self._run(self.sync.work, **kwargs)
 
     async def close(self) -> None:
         await self._run(self.sync.close)

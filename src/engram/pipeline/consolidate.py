@@ -6,8 +6,9 @@ An episode (something said at a time) is never merged: the same sentence said tw
 episodes. A semantic or procedural memory that repeats an existing one of the same scope and
 kind adds nothing (exact match on normalised text) or is merged into it (near-duplicate:
 cosine >= threshold *and* word overlap >= min_overlap *and* one text's content words contain
-the other's). So "likes tea" / "likes coffee" or "room 101" / "room 102", close in embedding
-space, stay two facts: a swapped word may be a correction, and merging would lose one side.
+the other's *and* no metadata key has two different values). So "likes tea" / "likes coffee"
+or "room 101" / "room 102", close in embedding space, stay two facts: a swapped word may be a
+correction, and merging would lose one side.
 
 With an LLM (`decide_prompt` / `plans`): the model chooses ADD / UPDATE / SUPERSEDE / MERGE /
 NOOP for each extracted fact against related memories it sees under local ids. A contradiction
@@ -46,12 +47,20 @@ def decide(candidate: MemoryRecord, neighbours: Sequence[tuple[MemoryRecord, flo
             continue
         if existing.content_hash == candidate.content_hash:
             return Decision("NOOP", existing, 1.0, "exact duplicate")
+        if _conflicting(candidate.metadata, existing.metadata):
+            continue  # e.g. two graph relations whose types differ: two facts, never merged
         if sim >= threshold and (best is None or sim > best.similarity):
             ov = overlap(candidate.text, existing.text)
             if ov >= min_overlap and _one_contains_the_other(candidate.text, existing.text):
                 best = Decision("MERGE", existing, sim,
                                 f"near-duplicate: cosine {sim:.3f}, word overlap {ov:.2f}")
     return best or Decision("ADD", reason="new")
+
+
+def _conflicting(a: dict[str, object], b: dict[str, object]) -> bool:
+    """Do two metadata maps give different values to the same key? (`origin` says where a
+    memory came from, not what it says: it never keeps two facts apart.)"""
+    return any(a[k] != b[k] for k in (a.keys() & b.keys()) - {"origin"})
 
 
 def _one_contains_the_other(a: str, b: str) -> bool:

@@ -1,6 +1,6 @@
 """Retrieval as data: a frozen `RetrievalConfig` (with named presets) and pure ranking functions.
 
-The read path: candidates from the store (dense over two keys, lexical BM25) -> `fuse`
+The read path: candidates from the store (dense over the text, window and fact keys, lexical BM25) -> `fuse`
 (score-normalised, weighted) -> `rank` (speaker, time-question, session, recency, importance
 adjustments) -> hits. Each stage's contribution is kept in `Hit.explain`.
 """
@@ -26,6 +26,7 @@ class RetrievalConfig:
     name: str
     dense_weight: float = 0.5      # cosine of the query to the memory's own text
     window_weight: float = 0.0     # cosine to the episode's window (itself + 2 turns before)
+    fact_weight: float = 0.0       # cosine to the facts extracted from the episode (with an LLM)
     lexical_weight: float = 0.5    # BM25 over text (+ previous turn at `context_weight`)
     context_weight: float = 0.5
     fusion: Literal["weighted", "rrf"] = "weighted"
@@ -49,10 +50,11 @@ PRESETS: dict[str, RetrievalConfig] = {
     p.name: p
     for p in (
         # The default, tuned on the LoCoMo dev split (see bench/locomo.py and README).
-        RetrievalConfig("hybrid", candidates=1000, window_weight=0.3, speaker_boost=0.2, when_boost=0.15,
+        RetrievalConfig("hybrid", candidates=1000, window_weight=0.3, fact_weight=0.3,
+                        speaker_boost=0.2, when_boost=0.15,
                         session_weight=0.3, recency_weight=0.01, importance_weight=0.01),
         # The same signals over a tenth of the candidate pool: faster, a little less recall.
-        RetrievalConfig("fast", candidates=100, window_weight=0.3, speaker_boost=0.2,
+        RetrievalConfig("fast", candidates=100, window_weight=0.3, fact_weight=0.3, speaker_boost=0.2,
                         when_boost=0.15, session_weight=0.3, recency_weight=0.01,
                         importance_weight=0.01),
         # Plain baselines, for comparison.
