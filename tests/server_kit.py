@@ -14,13 +14,13 @@ from fastapi.testclient import TestClient
 from engram.config import Config
 from engram.providers.embedders import Embedder
 from engram.server import ServiceLimits, create_app
-from engram.store.keys import SQLiteKeyStore
+from engram.store.keys import KeyStore, PostgresKeyStore, SQLiteKeyStore
 
 
 @dataclass
 class Service:
     client: TestClient
-    keys: SQLiteKeyStore
+    keys: KeyStore
     tokens: dict[str, str]  # "a-admin", "a-member", "b-admin", "b-member" -> API key
     config: Config
 
@@ -35,9 +35,11 @@ class Service:
 
 @contextmanager
 def service(tmp_path: Path, embedder: Embedder, *, limits: ServiceLimits | None = None,
-            **config: Any) -> Iterator[Service]:
-    cfg = Config(path=tmp_path / "data" / "engram.db", **config)
-    keys = SQLiteKeyStore(tmp_path / "data" / "keys.db")
+            database_url: str | None = None, **config: Any) -> Iterator[Service]:
+    """The service on SQLite files under `tmp_path`, or on PostgreSQL at `database_url`."""
+    cfg = Config(path=tmp_path / "data" / "engram.db", database_url=database_url, **config)
+    keys: KeyStore = (PostgresKeyStore(database_url) if database_url
+                      else SQLiteKeyStore(tmp_path / "data" / "keys.db"))
     tokens = {}
     for tenant in ("a", "b"):
         for role in ("admin", "member"):

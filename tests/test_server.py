@@ -24,6 +24,17 @@ def svc(tmp_path: Path, embedder: MiniLM) -> Iterator[Service]:
         yield s
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_svc(request: pytest.FixtureRequest, tmp_path: Path, embedder: MiniLM) -> Iterator[Service]:
+    """The service on each backend: PostgreSQL (a fresh database of the session's server, as a
+    role that is not a superuser, so row-level security applies) or SQLite files."""
+    url = None
+    if request.param == "postgres":
+        url = request.getfixturevalue("pg_server").database_for(tmp_path)  # dropped after the test
+    with service(tmp_path, embedder, database_url=url) as s:
+        yield s
+
+
 def add(svc: Service, who: str, messages: Any, **fields: Any) -> dict[str, Any]:
     r = svc.call(who, "POST", "/v1/memories", json={"messages": messages, **fields})
     assert r.status_code == 201, r.text
@@ -32,7 +43,8 @@ def add(svc: Service, who: str, messages: Any, **fields: Any) -> dict[str, Any]:
 
 # -- routes ------------------------------------------------------------------------------------
 
-def test_memory_lifecycle_over_http(svc: Service) -> None:
+def test_memory_lifecycle_over_http(any_svc: Service) -> None:
+    svc = any_svc
     out = add(svc, "a-member", [
         {"role": "user", "name": "Ana", "content": "I moved to Lisbon for a new job."},
         {"role": "assistant", "content": "Congratulations! What is the job?"},
@@ -78,7 +90,8 @@ def test_memory_lifecycle_over_http(svc: Service) -> None:
     assert [e["type"] for e in history["events"]] == ["ADD", "UPDATE", "DELETE"]
 
 
-def test_erase_export_import_need_an_admin_key(svc: Service) -> None:
+def test_erase_export_import_need_an_admin_key(any_svc: Service) -> None:
+    svc = any_svc
     add(svc, "a-member", "Ana's passport number is X123", user_id="ana", kind="semantic")
     for method, url, kwargs in (("POST", "/v1/erase", {"json": {"user_id": "ana"}}),
                                 ("GET", "/v1/export", {}),
@@ -108,7 +121,8 @@ def test_erase_export_import_need_an_admin_key(svc: Service) -> None:
     assert refused.status_code == 422
 
 
-def test_sessions_and_context(svc: Service) -> None:
+def test_sessions_and_context(any_svc: Service) -> None:
+    svc = any_svc
     r = svc.call("a-member", "POST", "/v1/sessions", json={"user_id": "ana", "session_id": "trip"})
     assert r.status_code == 201 and r.json()["scope"]["session_id"] == "trip"
     r = svc.call("a-member", "POST", "/v1/sessions/trip/messages", params={"user_id": "ana"},
@@ -136,7 +150,8 @@ def test_sessions_and_context(svc: Service) -> None:
         "items"] == []
 
 
-def test_background_add_and_job(svc: Service) -> None:
+def test_background_add_and_job(any_svc: Service) -> None:
+    svc = any_svc
     r = svc.call("a-member", "POST", "/v1/memories",
                  json={"messages": "Ana's sister is called Rita", "user_id": "ana", "background": True})
     assert r.status_code == 202, r.text
@@ -153,7 +168,8 @@ def test_background_add_and_job(svc: Service) -> None:
     assert svc.call("b-member", "GET", f"/v1/jobs/{job['id']}").status_code == 404
 
 
-def test_idempotency_key_retried_100_times_adds_once(svc: Service) -> None:
+def test_idempotency_key_retried_100_times_adds_once(any_svc: Service) -> None:
+    svc = any_svc
     body = {"messages": "Ana booked the 9:40 train", "user_id": "ana"}
     headers = {"Idempotency-Key": "req-7f3a-0001"}
     first = svc.call("a-member", "POST", "/v1/memories", json=body, headers=headers)
@@ -212,7 +228,8 @@ def test_keys_are_stored_hashed(svc: Service) -> None:
 CANARY = "canary-7f3a: tenant A's secret is the blue door"
 
 
-def test_cross_tenant_matrix(svc: Service) -> None:
+def test_cross_tenant_matrix(any_svc: Service) -> None:
+    svc = any_svc
     """Tenant B tries every route on tenant A's canary: every id route answers 404, nothing of
     A's ever appears in a response, and A's memory is untouched."""
     mem = add(svc, "a-member", CANARY, user_id="u1", session_id="s1")["memories"][0]
