@@ -312,3 +312,40 @@ def test_async_sessions(db: Path, embedder: MiniLM) -> None:
             assert (await s.end()) is not None
 
     asyncio.run(main())
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+def test_cli_lists_shows_and_deletes_sessions(db: Path, embedder: MiniLM,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from engram.cli import app
+    from engram.providers import embedders
+
+    monkeypatch.setitem(embedders.EMBEDDERS, "minilm", lambda: embedder)
+    with Memory(db, embedder=embedder) as mem:
+        mem.session(user_id="ana", session_id="trip", policy="window").add(chat(2))
+        mem.session(user_id="bob", session_id="trip").add("bob's trip")
+        mem.session(user_id="ana", session_id="work").add("about work")
+
+    def run(*args: str, code: int = 0) -> str:
+        result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["--db", str(db), *args])
+        assert result.exit_code == code, (result.output, result.exception)
+        return result.stdout
+
+    listed = json.loads(run("sessions", "list", "-u", "ana", "--json"))
+    assert [s["scope"]["session_id"] for s in listed] == ["work", "trip"]
+    assert listed[1]["policy"] == {"name": "window", "n": 20}
+    assert "trip" in run("sessions", "list")
+    shown = json.loads(run("sessions", "show", "trip", "-u", "ana", "--json"))
+    assert [m["content"] for m in shown["messages"]][:2] == [FACTS[0], "Got it (0)."]
+    assert "Ana: My name is Ana Souza" in run("sessions", "show", "trip", "-u", "ana")
+    run("sessions", "show", "trip", code=2)           # two users have a "trip": ambiguous
+    run("sessions", "show", "nope", "-u", "ana", code=1)
+    run("sessions", "delete", "trip", "-u", "ana", code=1)  # not confirmed (no input)
+    assert "4 memories erased" in run("sessions", "delete", "trip", "-u", "ana", "--yes")
+    assert [s["scope"]["user_id"] for s in json.loads(run("sessions", "list", "--json"))
+            if s["scope"]["session_id"] == "trip"] == ["bob"]
