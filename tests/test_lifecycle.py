@@ -236,3 +236,22 @@ def test_a_late_fact_is_fitted_into_the_middle_of_a_history(smart: Memory, scrip
     assert (li.valid_to, li.superseded_by) == (berlin.valid_from, berlin.id)
     assert [e.type for e in smart.history(porto.id)] == [EventType.ADD, EventType.SUPERSEDE,
                                                            EventType.SUPERSEDE]
+
+
+def test_reflection_is_queued_every_n_episodes(tmp_path: Path, embedder: MiniLM,
+                                               script: ScriptedLLM) -> None:
+    from engram import Config, JobStatus
+
+    config = Config.from_env(path=tmp_path / "m.db", reflect_every=3, worker="off")
+    with Memory(config=config, embedder=embedder, llm=LLM(script)) as m:
+        m.add(["a", "b"], user_id="ana", infer=False)
+        assert m.jobs() == []
+        m.add(["c", "d"], user_id="ana", infer=False)  # crosses 3
+        (job,) = m.jobs()
+        assert job.kind == "reflect" and job.scope.user_id == "ana"
+        m.add(["e"], user_id="ana", infer=False)  # 5: no new step
+        assert len(m.jobs()) == 1
+        script.push(facts(fact("Ana writes single letters.", sources=[1])))
+        assert m.work(until_idle=True) == 1
+        done = m.job(job.id)
+        assert done.status is JobStatus.DONE and len(done.result["memories"]) == 1  # type: ignore[index]

@@ -44,6 +44,7 @@ class Config:
     llm_output_retries: int = 2             # extra tries after a reply that fails validation
     worker: str = "thread"                  # thread: run background jobs in-process; off: `engram worker`
     job_retries: int = 3                    # extra tries of a failed background job (with backoff)
+    reflect_every: int | None = None        # with an LLM: queue a reflection every N episodes of a scope
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Config:
@@ -74,6 +75,7 @@ class Config:
             ("llm_retries", "ENGRAM_LLM_RETRIES", int),
             ("llm_output_retries", "ENGRAM_LLM_OUTPUT_RETRIES", int),
             ("job_retries", "ENGRAM_JOB_RETRIES", int),
+            ("reflect_every", "ENGRAM_REFLECT_EVERY", int),
         ):
             if env.get(key):
                 try:
@@ -105,6 +107,8 @@ class Config:
             raise InvalidInput("llm_retries and llm_output_retries must be >= 0")
         if self.worker not in ("thread", "off"):
             raise InvalidInput("worker must be 'thread' or 'off'")
+        if self.reflect_every is not None and self.reflect_every < 1:
+            raise InvalidInput("reflect_every must be positive")
         if self.job_retries < 0:
             raise InvalidInput("job_retries must be >= 0")
         if self.llm_structured not in LLM_STRUCTURED:

@@ -236,7 +236,20 @@ class Memory:
             result = AddResult(memories=stored, events=events, notes=tuple(notes))
             if key is not None or job is not None:
                 tx.put_job(self._done(job, key, req, result, now))
+        self._maybe_reflect(req.scope, sum(r.kind is Kind.EPISODIC for r in records))
         return result
+
+    def _maybe_reflect(self, scope: Scope, added: int) -> None:
+        """With ENGRAM_REFLECT_EVERY=N and an LLM: queue a reflection job each time a scope's
+        episode count crosses a multiple of N (its idempotency key makes it one job per step)."""
+        every = self.config.reflect_every
+        if not every or not added or self.llm is None:
+            return
+        count = self.store.stats(scope, utcnow()).by_kind.get(Kind.EPISODIC.value, 0)
+        if count // every > (count - added) // every:
+            step = count // every
+            self._enqueue("reflect", scope, {"limit": 2 * every},
+                          f"reflect:{json.dumps(list(scope.as_dict().values()))}:{step}")
 
     # -- understanding: extraction and consolidation with an LLM ------------------------------
 
