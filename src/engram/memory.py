@@ -74,6 +74,7 @@ MAX_LIMIT = 1000
 WINDOW = 3  # turns in an episode's `window` key: itself and the two before it
 EXTRACT_BATCH = 20  # messages per extraction call
 RELATED = 5  # existing memories a new fact is compared with
+RELATED_POOL = 100  # candidates per retriever when looking them up (a scope's facts, not its turns)
 MAX_CHAIN = 20  # versions walked back to fit a late fact into a fact's history
 JOB_LEASE_S = 300  # a claimed job whose worker died is run again after this
 LLM_MAX_TOKENS = 1024  # bounds a reply (a small model in JSON mode can ramble until the context ends)
@@ -315,7 +316,7 @@ class Memory:
             since = chain[0].valid_from or chain[0].created_at
             q = Query(scope=current.scope, now=now, kinds=(current.kind,),
                       as_of=since - timedelta(microseconds=1))
-            ids = [mid for mid, _, _ in self._rank(new.text, q, RELATED, vector)]
+            ids = [mid for mid, _, _ in self._rank(new.text, q, RELATED, vector, pool=RELATED_POOL)]
             before = next((r for r in self.store.get(ids).values()
                            if r.superseded_by == chain[0].id), None)
             if before is None:
@@ -328,7 +329,7 @@ class Memory:
         hybrid search (a contradiction often shares words, not meaning: "lives in Porto" vs
         "moved to Lisbon" share the subject)."""
         q = Query(scope=fact.scope, now=now, kinds=(Kind.SEMANTIC, Kind.PROCEDURAL))
-        best = self._rank(fact.text, q, RELATED, vector)
+        best = self._rank(fact.text, q, RELATED, vector, pool=RELATED_POOL)
         found = self.store.get([mid for mid, _, _ in best])
         return [found[mid] for mid, _, _ in best if mid in found]
 
@@ -856,10 +857,11 @@ class Memory:
         return hits
 
     def _rank(self, text: str, q: Query, limit: int, vector: np.ndarray | None = None,
-              ) -> builtins_list[tuple[str, float, dict[str, float]]]:
-        """Candidates per retriever, then fused and ranked on light rows (ids, scores, why)."""
+              pool: int | None = None) -> builtins_list[tuple[str, float, dict[str, float]]]:
+        """Candidates per retriever (`pool` each, default the preset's), then fused and ranked
+        on light rows (ids, scores, why)."""
         cfg = self.retrieval
-        n = max(cfg.candidates, limit)
+        n = max(pool or cfg.candidates, limit)
         ranked: dict[str, builtins_list[tuple[str, float]]] = {}
         if cfg.dense_weight or cfg.window_weight or cfg.fact_weight:
             if vector is None:
