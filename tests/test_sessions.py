@@ -349,3 +349,18 @@ def test_cli_lists_shows_and_deletes_sessions(db: Path, embedder: MiniLM,
     assert "4 memories erased" in run("sessions", "delete", "trip", "-u", "ana", "--yes")
     assert [s["scope"]["user_id"] for s in json.loads(run("sessions", "list", "--json"))
             if s["scope"]["session_id"] == "trip"] == ["bob"]
+
+
+def test_summaries_can_be_reset_and_are_rebuilt_from_what_remains(mem: Memory) -> None:
+    from engram.working.session import reset_summaries
+
+    s = mem.session(user_id="ana", session_id="s", policy=Summary(keep_recent=2))
+    stored = s.add(chat(4))
+    assert s.wait(timeout=60) and "Lisbon" in s.view().summaries[0]
+    mem.erase(id=stored[0].id)  # the Lisbon message
+    with mem.store.write() as tx:
+        assert reset_summaries(mem.store, tx, s.scope)
+        assert not reset_summaries(mem.store, tx, s.scope)
+    assert not s.view().summaries and len(s.view().messages) == 7
+    s.refresh()
+    assert s.view().summaries and "Lisbon" not in s.view().summaries[0]

@@ -391,6 +391,18 @@ class SessionHandle:
         return len(mine)
 
 
+def reset_summaries(store: Any, tx: Any, scope: Scope) -> bool:
+    """Drop the running summaries of the session of `scope` (inside the caller's write
+    transaction), so they are rebuilt from the messages that remain: for `Memory.erase` of one
+    message, whose text a summary may quote. Returns whether there was anything to drop."""
+    row = store.session(scope)
+    if row is None or not (row.summary or row.summary_upto or row.state.get("levels")):
+        return False
+    state = {k: v for k, v in row.state.items() if k not in ("levels", "folded", "mode")}
+    tx.put_session(replace(row, summary="", summary_upto=None, state=state))
+    return True
+
+
 # -- the Memory methods delegate here ----------------------------------------------------------
 
 def open_session(memory: Memory, *, session_id: str | None, user_id: str | None,
