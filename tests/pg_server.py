@@ -90,6 +90,13 @@ class PgTestServer:
                 name = self._databases.setdefault(directory, name)
         return self.url(name)
 
+    def files(self, dbname: str) -> list[Path]:
+        """The data files of a database, after a CHECKPOINT wrote every dirty page to them."""
+        with self.admin() as conn:
+            conn.execute("CHECKPOINT")
+            (oid,) = conn.execute("SELECT oid FROM pg_database WHERE datname = %s", (dbname,)).fetchone()  # type: ignore[misc]
+        return [p for p in (Path(self._server.pgdata) / "base" / str(oid)).iterdir() if p.is_file()]
+
     def drop_databases(self) -> None:
         with self._lock:
             names, self._databases = list(self._databases.values()), {}

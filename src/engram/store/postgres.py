@@ -35,6 +35,7 @@ _JOB_COLUMNS = ("id", "key", "fingerprint", "kind", "user_id", "agent_id", "sess
                 "updated_at")
 _SESSION_COLUMNS = ("scope_key", "user_id", "agent_id", "session_id", "policy", "summary",
                     "summary_upto", "state", "metadata", "created_at", "updated_at", "ended_at")
+_RECLAIM = {"vacuum": "INDEX_CLEANUP ON", "full": "FULL", "none": ""}
 _EVENT_COLUMNS = "id, memory_id, type, at, user_id, agent_id, session_id, before, after, reason"
 _LEX = (f"setweight(to_tsvector('{q.TS_CONFIG}', %s), 'A') || "
         f"setweight(to_tsvector('{q.TS_CONFIG}', %s), 'B')")
@@ -196,17 +197,19 @@ class PostgresStore:
     def __init__(self, url: str, *, tenant: str = "", busy_timeout_s: float = 30.0,
                  statement_timeout_s: float | None = None, connect_timeout_s: float = 5.0,
                  max_connections: int = 10, exact_limit: int = 5000,
-                 vacuum_on_reclaim: bool = True) -> None:
+                 reclaim_mode: str = "vacuum") -> None:
         """`exact_limit`: a dense search over at most this many visible keys is exact (a scan);
-        above it the HNSW index answers (approximate). `vacuum_on_reclaim`: `reclaim()` runs
-        VACUUM on the tables an erase touched."""
+        above it the HNSW index answers (approximate). `reclaim_mode`: what `reclaim()` runs on
+        the tables an erase touched: "vacuum", "full" (VACUUM FULL) or "none"."""
         if not isinstance(tenant, str):
             raise InvalidInput("tenant must be a string")
+        if reclaim_mode not in _RECLAIM:
+            raise InvalidInput(f"reclaim_mode must be one of {', '.join(_RECLAIM)}")
         self.tenant = tenant
         self.busy_timeout_s = busy_timeout_s
         self.statement_timeout_s = statement_timeout_s or max(60.0, 2 * busy_timeout_s)
         self.exact_limit = exact_limit
-        self.vacuum_on_reclaim = vacuum_on_reclaim
+        self.reclaim_mode = reclaim_mode
         self._pool = _Pool(url, max_size=max_connections, wait_s=busy_timeout_s,
                            connect_timeout_s=connect_timeout_s)
         self._local = threading.local()
@@ -524,17 +527,20 @@ class PostgresStore:
                 yield records[mid], self.events(mid)
 
     def reclaim(self) -> None:
-        """VACUUM the tables an erase touched: dead row versions (the erased text, vectors and
-        lexemes) leave the heap and the indexes, so no query, index or later page reuse can
-        reach them. PostgreSQL does not overwrite the freed bytes: until reused they can stay
-        in data files, in WAL segments not yet recycled, and in backups."""
+        """VACUUM the tables an erase touched (see docs/postgres.md for what each mode leaves).
+
+        "vacuum": the dead row versions (erased text, vectors, lexemes) leave the heap and the
+        indexes, so no query or index can reach them, but PostgreSQL does not overwrite the
+        freed bytes: they stay in the data files until the space is reused. "full": VACUUM
+        FULL rewrites the tables, so the data files no longer hold them (it locks the tables
+        while it runs). Neither touches WAL segments not yet recycled, nor backups."""
         tables, self._to_vacuum = sorted(self._to_vacuum), set()
-        if not tables or not self.vacuum_on_reclaim or getattr(self._local, "conn", None) is not None:
+        if not tables or self.reclaim_mode == "none" or getattr(self._local, "conn", None) is not None:
             return
         conn = self._pool.acquire()
         try:
-            # VACUUM runs outside any transaction; SKIP_LOCKED: never wait behind a DDL lock.
-            conn.execute(f"VACUUM (INDEX_CLEANUP ON, SKIP_LOCKED) {', '.join(tables)}")
+            # VACUUM runs outside any transaction; SKIP_LOCKED: never wait behind another lock.
+            conn.execute(f"VACUUM ({_RECLAIM[self.reclaim_mode]}, SKIP_LOCKED) {', '.join(tables)}")
         except psycopg.Error as exc:
             raise translate(exc) from exc
         finally:
