@@ -223,3 +223,17 @@ def test_a_bad_query_is_invalid_input(mem: Memory, bad: object) -> None:
 def test_bad_blocks_are_invalid_input(block: dict[str, object]) -> None:
     with pytest.raises(InvalidInput):
         Block(**block)  # type: ignore[arg-type]
+
+
+def test_session_messages_cut_from_the_conversation_can_return_as_episodes(mem: Memory) -> None:
+    s = mem.session(user_id="ana", session_id="long")  # policy all: the budget does the trimming
+    s.add({"role": "user", "content": "My locker code is 4471, please remember it."})
+    for i in range(30):
+        s.add([{"role": "user", "content": f"Let's talk about topic number {i} for a while."},
+               {"role": "assistant", "content": f"Sure, topic {i} is interesting."}])
+    ctx = mem.context("What is my locker code?", user_id="ana", session_id="long",
+                      budget_tokens=600)
+    conv, episodes = set(ctx.blocks["conversation"].ids), set(ctx.blocks["episodes"].ids)
+    assert conv and not conv & episodes  # never shown twice
+    assert "4471" in system_of(ctx.messages)  # cut from the conversation, found as an episode
+    assert ctx.total_tokens <= 600

@@ -199,7 +199,9 @@ def _gather(memory: Memory, blocks: Sequence[Block], query: str, user_id: str | 
 
     wanted = {b.name: b for b in blocks}
     found: dict[str, list[MemoryRecord]] = {}
-    seen: set[str] = {m.id for m in view.messages if m.id} if view else set()
+    # Messages of this session are left out only where the conversation block shows them
+    # (see `_take`): those its budget cuts away may come back as relevant episodes.
+    seen: set[str] = set()
     if "pinned" in wanted:
         pinned = _all(memory, user_id=user_id, filters={"pinned": True})
         if agent_id is not None:
@@ -245,14 +247,15 @@ def _gather(memory: Memory, blocks: Sequence[Block], query: str, user_id: str | 
 
 # -- allocation --------------------------------------------------------------------------------
 
-def _take(c: _Candidates, limit: int, tok: Tokenizer) -> None:
-    """Let a block grow up to `limit` tokens in total."""
+def _take(c: _Candidates, limit: int, tok: Tokenizer, shown: set[str]) -> None:
+    """Let a block grow up to `limit` tokens in total (never with a message `shown` in the
+    conversation)."""
     if c.view is not None:
         c.fitted = fit(c.view, limit, tok.count_message)
         c.used = _conversation_cost(c.fitted, tok)
         return
-    for i, (_, _, cost) in enumerate(c.items):
-        if i in c.taken:
+    for i, (mid, _, cost) in enumerate(c.items):
+        if i in c.taken or mid in shown:
             continue
         extra = cost + (c.heading if not c.taken else 0)
         if c.used + extra <= limit:
@@ -276,17 +279,27 @@ def _summary_section(v: View) -> str:
 def _allocate(cands: dict[str, _Candidates], avail: int, tok: Tokenizer) -> dict[str, int]:
     """Phase 1: each block, by priority, up to its share. Phase 2: what is left, by priority."""
     order = sorted(cands.values(), key=lambda c: -c.block.priority)
+    conv = cands.get("conversation")
+
+    def shown() -> set[str]:
+        return {m.id for m in conv.fitted.messages if m.id} if conv and conv.fitted else set()
+
     budgets: dict[str, int] = {}
     left = avail
     for c in order:
         budgets[c.block.name] = min(left, int(c.block.share * avail))
-        _take(c, budgets[c.block.name], tok)
+        _take(c, budgets[c.block.name], tok, shown())
         left -= c.used
     for c in order:
         before = c.used
         budgets[c.block.name] = c.used + left
-        _take(c, budgets[c.block.name], tok)
+        _take(c, budgets[c.block.name], tok, shown())
         left -= c.used - before
+    # The conversation may have grown over messages a block took in the first pass.
+    ids = shown()
+    for c in order:
+        if c.view is None and ids:
+            c.taken = [i for i in c.taken if c.items[i][0] not in ids]
     return {name: budgets[name] for name in cands}
 
 
@@ -407,6 +420,8 @@ def assemble(memory: Memory, query_or_messages: str | Sequence[Mapping[str, Any]
         total = tok.count_messages(messages)
         if total <= budget_tokens or not _drop_one(cands):
             break
+    conv = cands.get("conversation")
+    in_conversation = {m.id for m in conv.fitted.messages} if conv and conv.fitted else set()
     usage = {}
     for name, c in cands.items():
         if c.view is not None and c.fitted is not None:
@@ -417,7 +432,8 @@ def assemble(memory: Memory, query_or_messages: str | Sequence[Mapping[str, Any]
         else:
             ids = tuple(c.items[i][0] for i in sorted(c.taken))
             tokens = sum(c.items[i][2] for i in c.taken) + (c.heading if c.taken else 0)
-            dropped = len(c.items) - len(c.taken)
+            dropped = sum(1 for i, (mid, _, _) in enumerate(c.items)
+                          if i not in c.taken and mid not in in_conversation)
         usage[name] = BlockUsage(name, c.block.priority, budgets[name], tokens, ids, dropped)
     return Context(messages=messages, blocks=usage, total_tokens=total,
                    budget_tokens=budget_tokens, fixed_tokens=fixed, query=query)
