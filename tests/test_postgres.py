@@ -134,13 +134,18 @@ def test_metadata_comparisons_are_typed(db: str) -> None:
 
 # -- tenants ------------------------------------------------------------------------------
 
-@pytest.fixture(params=["engram", "postgres"])
+@pytest.fixture(params=["engram", "postgres", "shared"])
 def tenants(request: pytest.FixtureRequest, pg_server: Any,
             db: str) -> Iterator[tuple[PostgresStore, PostgresStore]]:
     """Stores of tenants "a" and "b" on one database, as the owner role (row-level security
-    applies) and as a superuser (it does not: the SQL filters alone must hold)."""
-    url = db.replace("engram@", f"{request.param}@")
-    a, b = PostgresStore(url, tenant="a"), PostgresStore(url, tenant="b")
+    applies), as a superuser (it does not: the SQL filters alone must hold), and sharing one
+    pool of connections (`for_tenant`)."""
+    if request.param == "shared":
+        a = PostgresStore(db, tenant="a")
+        b = a.for_tenant("b")
+    else:
+        url = db.replace("engram@", f"{request.param}@")
+        a, b = PostgresStore(url, tenant="a"), PostgresStore(url, tenant="b")
     yield a, b
     a.close()
     b.close()
@@ -193,6 +198,26 @@ def test_a_tenant_sees_nothing_of_another(tenants: tuple[PostgresStore, Postgres
     assert a.session(Scope("u1", None, "s1")) == mine["session"]
     assert [m for m, _ in a.lexical(q(), ["secret"], 10)] == [fact.id]
     assert len(a.ids(Scope())) == 1 and len(b.ids(Scope())) == 2
+
+
+def test_tenant_stores_share_one_pool_until_the_last_closes(db: str) -> None:
+    a = PostgresStore(db, tenant="a", max_connections=2)
+    tenants = [a.for_tenant(f"t{i}") for i in range(5)]
+    for i, store in enumerate(tenants):
+        put(store, rec(f"memory of t{i}"))
+    with tenants[0].write():  # a write on one tenant, reads on another in the same thread
+        assert [r.text for r in tenants[1].select(q(), limit=5)] == ["memory of t1"]
+    a.close()
+    a.close()  # twice is harmless
+    assert len(tenants[4].select(q(), limit=5)) == 1  # the others still work
+    for store in tenants:
+        store.close()
+    with pytest.raises(StoreError, match="closed"):
+        tenants[0].select(q())
+    with psycopg.connect(db.replace("engram@", "postgres@")) as conn:  # all connections returned
+        n = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                         "AND pid <> pg_backend_pid()").fetchone()
+    assert n == (0,)
 
 
 def test_row_level_security_is_a_second_wall(pg_server: Any, db: str) -> None:

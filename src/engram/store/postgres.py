@@ -6,6 +6,7 @@ on `engram.tenant` (set per transaction) stands behind those filters as a second
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -132,6 +133,13 @@ class _Pool:
         self._size = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._users = 1  # stores sharing this pool (see `PostgresStore.for_tenant`)
+
+    def retain(self) -> None:
+        with self._cond:
+            if self._closed:
+                raise StoreError("the store is closed")
+            self._users += 1
 
     def acquire(self) -> psycopg.Connection[Any]:
         deadline = time.monotonic() + self._wait_s
@@ -181,7 +189,11 @@ class _Pool:
             conn.close()
 
     def close(self) -> None:
+        """Called once by each store sharing the pool; the last one closes the connections."""
         with self._cond:
+            self._users -= 1
+            if self._users > 0:
+                return
             self._closed = True
         self.drop_idle()
 
@@ -215,6 +227,7 @@ class PostgresStore:
         self._local = threading.local()
         self._indexed: set[int] = set()  # dimensions known to have their HNSW index
         self._to_vacuum: set[str] = set()
+        self._closed = False
         try:
             self._migrate()
         except BaseException:
@@ -304,8 +317,23 @@ class PostgresStore:
         self._indexed |= tx.new_dims  # committed: the indexes exist for everyone now
         self._to_vacuum |= tx.erased_from
 
+    def for_tenant(self, tenant: str) -> PostgresStore:
+        """The store of another tenant of the same database, sharing this one's connections:
+        a service serving many tenants holds one pool per process, not one per tenant."""
+        if not isinstance(tenant, str):
+            raise InvalidInput("tenant must be a string")
+        self._pool.retain()
+        other = copy.copy(self)  # the pool and the set of indexed dimensions are shared
+        other.tenant = tenant
+        other._local = threading.local()  # a write on one tenant is never seen from another
+        other._to_vacuum = set()
+        other._closed = False
+        return other
+
     def close(self) -> None:
-        self._pool.close()
+        if not self._closed:  # each store releases its share of the pool once
+            self._closed = True
+            self._pool.close()
 
     def _migrate(self) -> None:
         pending = [name for name, _ in q.MIGRATIONS]
