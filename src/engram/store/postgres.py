@@ -228,6 +228,7 @@ class PostgresStore:
         self._indexed: set[int] = set()  # dimensions known to have their HNSW index
         self._to_vacuum: set[str] = set()
         self._closed = False
+        self._iterative = True  # pgvector >= 0.8: iterative index scans (read at open)
         try:
             self._migrate()
         except BaseException:
@@ -360,6 +361,14 @@ class PostgresStore:
                 conn.execute("INSERT INTO schema_migrations (name) VALUES (%s)", (name,))
                 log.info("applied migration %s", name)
 
+        with self._transaction() as conn:
+            row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+        version = tuple(int(p) for p in row[0].split(".")[:2] if p.isdigit()) if row else (0, 0)
+        self._iterative = version >= (0, 8)
+        if not self._iterative:
+            log.warning("pgvector %s has no iterative index scans (0.8+): filtered approximate "
+                        "searches fall back to exact scans more often", row[0] if row else "?")
+
     def migrations(self) -> list[str]:
         return [r[0] for r in self._read("SELECT name FROM schema_migrations ORDER BY name")]
 
@@ -425,9 +434,10 @@ class PostgresStore:
                     "LIMIT %s) c)", [q.hnsw_index_name(dim), *sparams, self.exact_limit + 1]).fetchone()  # type: ignore[misc]
                 use_index = indexed and n > self.exact_limit
             if use_index:
-                conn.execute("SELECT set_config('hnsw.ef_search', %s, true), "
-                             "set_config('hnsw.iterative_scan', 'relaxed_order', true)",
+                conn.execute("SELECT set_config('hnsw.ef_search', %s, true)",
                              (str(min(1000, max(100, 2 * k))),))
+                if self._iterative:
+                    conn.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)")
                 rows = conn.execute(q.dense_ann_sql(dim, source), [lit, *sparams, lit, 2 * k, k]).fetchall()
                 if len(rows) >= k:
                     log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
