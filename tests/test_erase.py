@@ -125,3 +125,50 @@ def test_erase_needs_a_target(mem: Memory) -> None:
         mem.erase(id="no-such-id")
     assert mem.erase(user_id="nobody") == 0
     assert mem.stats().memories == 1
+
+
+def test_erasing_a_session_takes_what_was_derived_from_it(tmp_path: Path, embedder) -> None:
+    """Facts extracted from a session live at the user level; the session's summary lives in
+    its session row and as a summary episode. Erasing the session takes all of them."""
+    from engram.providers.llms import LLM, ScriptedLLM
+
+    def reply(messages: object, schema: object) -> object:
+        if schema is None:  # the session summary
+            return f"A said the locker code is {CANARY}."
+        return {"facts": [{"text": f"A's locker code is {CANARY}.", "kind": "semantic",
+                           "importance": 0.9, "date": None, "sources": [1]}]}
+
+    script = ScriptedLLM([reply] * 10)
+    db = tmp_path / "derived.db"
+    with Memory(db, embedder=embedder, llm=LLM(script)) as mem:
+        s = mem.session(user_id="A", session_id="s1", policy="summary")
+        s.add(f"my locker code is {CANARY}")
+        s.wait()
+        s.end()  # extraction (the scripted fact) and the session summary episode
+        kept = mem.add("A likes plain tea", user_id="A", infer=False).memories[0]
+        facts = mem.list(user_id="A", kinds=["semantic"]).items
+        assert [f.scope.session_id for f in facts] == [None]  # a user-level fact
+        assert occurrences(db, CANARY) > 0
+        mem.erase(user_id="A", session_id="s1")
+        assert occurrences(db, CANARY) == 0
+        assert mem.list(user_id="A", kinds=["semantic"]).items == []
+        assert mem.store.session(s.scope) is None
+        assert [m.id for m in mem.list(user_id="A").items] == [kept.id]
+
+
+def test_erasing_one_session_message_resets_its_summaries(tmp_path: Path, embedder) -> None:
+    db = tmp_path / "one.db"
+    with Memory(db, embedder=embedder) as mem:
+        s = mem.session(user_id="A", session_id="s1", policy="summary")
+        for text in [f"my locker code is {CANARY}.", "I keep my bike there.", "It is blue.",
+                     "The lock is new.", "I ride to work.", "Every day.", "Even in rain.",
+                     "Bye for now."]:
+            s.add(text)
+        s.wait()
+        row = mem.store.session(s.scope)
+        assert row is not None and CANARY in row.summary  # the extractive summary quotes it
+        first = s.messages()[0]
+        mem.erase(id=first.id)
+        row = mem.store.session(s.scope)
+        assert row is not None and CANARY not in row.summary
+        assert occurrences(db, CANARY) == 0

@@ -1,4 +1,5 @@
-"""README examples are part of the docs: every ```python block must run as written."""
+"""README examples are part of the docs: every ```python block must run as written (with no LLM
+configured, as on a fresh machine; each block checks its own results with asserts)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,6 @@ def test_readme_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(tmp_path)
     exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})
     out = capsys.readouterr().out
-    assert "Machine learning engineer" in out  # the search found the job turn
-    assert "['ADD', 'UPDATE']" in out
-    assert not (tmp_path / "engram.db").exists() or (tmp_path / "engram.db").stat().st_size > 0
+    if code is BLOCKS[0]:  # the quickstart
+        assert "Machine learning engineer" in out  # the search found the job turn
+        assert "['ADD', 'UPDATE']" in out

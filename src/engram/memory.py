@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -105,9 +106,13 @@ class Memory:
         self._worker: threading.Thread | None = None
         self._worker_lock = threading.Lock()
         self._stop = threading.Event()
+        self._sessions: weakref.WeakSet[SessionHandle] = weakref.WeakSet()
 
     def close(self) -> None:
+        """Stop the background worker and let running session summaries finish, then close."""
         self._stop.set()
+        for handle in list(self._sessions):
+            handle.wait(timeout=self.config.llm_timeout_s)
         if self._worker is not None:
             self._worker.join(timeout=self.config.llm_timeout_s)
         self.store.close()
@@ -797,16 +802,49 @@ class Memory:
             # surviving memory holds an erased turn.
             ids = self.store.ids(scope, include_deleted=True)
             followers = []
+        # What was derived from the erased memories goes too: facts extracted from them and
+        # summaries of them (their provenance names the erased ids), wherever they are stored.
+        ids += self._derived(set(ids), scope)
+        followers = [(r, ix) for r, ix in followers if r.id not in ids]
         now = utcnow()
         with self.store.write() as tx:
             tx.erase(ids)
             for other, (keys, lexical) in followers:
                 tx.update(other, keys, lexical)
+            if id is None:
+                tx.erase_scope(scope)  # sessions (their summaries) and jobs (their payloads)
+            elif scope.session_id is not None:
+                from .working.session import reset_summaries
+
+                reset_summaries(self.store, tx, scope)  # rebuilt from the messages that remain
             tx.append(Event(id=new_id(), memory_id=id, type=EventType.ERASE, at=now, scope=scope,
                             reason=f"erased {len(ids)} memories"))
         self.store.reclaim()
         log.info("erased %d memories (%s)", len(ids), f"id {id}" if id else scope)
         return len(ids)
+
+    def _derived(self, erased: set[str], scope: Scope) -> builtins_list[str]:
+        """Ids of memories derived from `erased` (directly or through other derived ones) among
+        the memories of the scope's user or agent: facts live outside the session they came
+        from."""
+        if not erased:
+            return []
+        owner = Scope(scope.user_id, scope.agent_id, None)
+        candidates = [i for i in self.store.ids(owner, include_deleted=True) if i not in erased]
+        records: dict[str, MemoryRecord] = {}
+        for i in range(0, len(candidates), 500):
+            records.update(self.store.get(candidates[i:i + 500]))
+        found: builtins_list[str] = []
+        gone = set(erased)
+        changed = True
+        while changed:
+            changed = False
+            for rid, rec in records.items():
+                if rid not in gone and gone.intersection(rec.provenance):
+                    gone.add(rid)
+                    found.append(rid)
+                    changed = True
+        return found
 
     # -- read --------------------------------------------------------------------------------
 

@@ -418,6 +418,7 @@ def open_session(memory: Memory, *, session_id: str | None, user_id: str | None,
     chosen = wanted or stored or DEFAULT_POLICY
 
     handle = SessionHandle(memory, scope, chosen, llm=getattr(memory, "llm", None), metadata=meta)
+    memory._sessions.add(handle)  # so that Memory.close() lets its summaries finish
     if row is not None and (chosen != stored or (meta is not None and meta != row.metadata)):
         handle._save_settings(meta)
     if catch_up and row is not None and chosen.summarizes:
