@@ -7,7 +7,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install dev run test lint bench-locomo bench-scale bench-load clean
+.PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
+	bench-context bench-summaries bench-lifecycle clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -46,6 +47,18 @@ bench-scale: install
 
 bench-load: dev
 	$(PY) bench/load.py
+
+bench-consolidation: install
+	$(PY) bench/consolidation.py
+
+bench-context: install
+	$(PY) bench/context.py
+
+bench-summaries: install
+	$(PY) bench/summaries.py
+
+bench-lifecycle: dev
+	$(PY) bench/lifecycle.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

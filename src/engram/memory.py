@@ -459,6 +459,9 @@ class Memory:
             cursor = page[-1].id
             if limit is not None:
                 episodes = episodes[-limit:]
+        # a session summary is derived from episodes already here: learning from it again
+        # would only repeat them
+        episodes = [e for e in episodes if e.metadata.get("engram") != "session_summary"]
         episodes.sort(key=lambda r: (r.observed_at or r.created_at, r.id))
         by_scope: dict[Scope, list[MemoryRecord]] = {}
         for e in episodes:
