@@ -38,6 +38,8 @@ class MiniLM:
         self.batch_size = batch_size
         self._model: Any = None
         self._lock = threading.Lock()
+        self._queue_lock = threading.Lock()
+        self._queue: list[_Request] = []
 
     def _load(self) -> Any:
         if self._model is None:
@@ -63,14 +65,51 @@ class MiniLM:
         return self._model
 
     def embed_batch(self, texts: Sequence[str]) -> np.ndarray:
+        """Concurrent callers share forward passes (group commit): while one pass runs, the
+        next callers queue up, and the first of them to get the model embeds everything queued
+        in one batch. Under load (the service) that is one pass for many requests; alone, a call
+        goes straight through."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
+        mine = _Request(list(texts))
+        with self._queue_lock:
+            self._queue.append(mine)
         with self._lock:  # one forward pass at a time: torch already uses every core
+            if not mine.done:
+                with self._queue_lock:
+                    batch, self._queue = self._queue, []
+                self._run(batch)
+        if mine.error is not None:
+            raise mine.error
+        assert mine.result is not None
+        return mine.result
+
+    def _run(self, batch: list[_Request]) -> None:
+        try:
             model = self._load()
-            vecs = model.encode(list(texts), batch_size=self.batch_size,
-                                normalize_embeddings=True, show_progress_bar=False,
-                                convert_to_numpy=True)
-        return np.asarray(vecs, dtype=np.float32)
+            vecs = np.asarray(model.encode([t for r in batch for t in r.texts],
+                                           batch_size=self.batch_size, normalize_embeddings=True,
+                                           show_progress_bar=False, convert_to_numpy=True),
+                              dtype=np.float32)
+        except Exception as exc:
+            error = exc if isinstance(exc, ProviderError) else ProviderError(f"embedding failed: {exc!r}")
+            for r in batch:
+                r.error, r.done = error, True
+            return
+        at = 0
+        for r in batch:
+            r.result, r.done = vecs[at:at + len(r.texts)], True
+            at += len(r.texts)
+
+
+class _Request:
+    __slots__ = ("done", "error", "result", "texts")
+
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+        self.result: np.ndarray | None = None
+        self.error: Exception | None = None
+        self.done = False
 
 
 EMBEDDERS: dict[str, Callable[[], Embedder]] = {"minilm": MiniLM}
