@@ -351,16 +351,15 @@ def test_cli_lists_shows_and_deletes_sessions(db: Path, embedder: MiniLM,
             if s["scope"]["session_id"] == "trip"] == ["bob"]
 
 
-def test_summaries_can_be_reset_and_are_rebuilt_from_what_remains(mem: Memory) -> None:
+def test_erasing_a_message_resets_summaries_which_are_rebuilt_from_what_remains(mem: Memory) -> None:
     from engram.working.session import reset_summaries
 
     s = mem.session(user_id="ana", session_id="s", policy=Summary(keep_recent=2))
     stored = s.add(chat(4))
     assert s.wait(timeout=60) and "Lisbon" in s.view().summaries[0]
-    mem.erase(id=stored[0].id)  # the Lisbon message
+    mem.erase(id=stored[0].id)  # the Lisbon message: erase resets the summaries itself
     with mem.store.write() as tx:
-        assert reset_summaries(mem.store, tx, s.scope)
-        assert not reset_summaries(mem.store, tx, s.scope)
+        assert not reset_summaries(mem.store, tx, s.scope)  # nothing left to reset
     assert not s.view().summaries and len(s.view().messages) == 7
     s.refresh()
     assert s.view().summaries and "Lisbon" not in s.view().summaries[0]
