@@ -255,3 +255,9 @@ def test_reflection_is_queued_every_n_episodes(tmp_path: Path, embedder: MiniLM,
         assert m.work(until_idle=True) == 1
         done = m.job(job.id)
         assert done.status is JobStatus.DONE and len(done.result["memories"]) == 1  # type: ignore[index]
+
+
+def test_out_of_range_importance_is_clamped_not_fatal(smart: Memory, script: ScriptedLLM) -> None:
+    script.push(facts(fact("Ana runs marathons.", importance=7), fact("Ana hates rain.", importance=-1)))
+    r = smart.add("I run marathons and hate rain", user_id="ana")
+    assert sorted(m.importance for m in r.memories if m.provenance) == [0.0, 1.0]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from ..model import Kind, MemoryRecord, as_utc
 
@@ -33,10 +33,18 @@ class ExtractedFact(BaseModel):
     kind: Literal["semantic", "episodic", "procedural"] = Field(
         description="semantic: a durable fact or preference; episodic: something that happened "
                     "or is planned at a time; procedural: how the user wants the assistant to act")
-    importance: float = Field(ge=0, le=1, description="0.2 trivia, 0.5 useful, 0.9 essential")
+    importance: float = Field(description="0.2 trivia, 0.5 useful, 0.9 essential")
     date: str | None = Field(default=None, description="YYYY-MM-DD the fact refers to, relative "
                                                        "dates resolved against the message's date")
     sources: list[int] = Field(description="numbers of the messages it comes from")
+
+
+    @field_validator("importance")
+    @classmethod
+    def _clamp(cls, value: float) -> float:
+        # Small models ignore numeric bounds (grammar-constrained decoding does not enforce
+        # them); an importance of 5 is still a fact worth keeping, not a reason to drop all.
+        return min(1.0, max(0.0, value))
 
 
 class Extraction(BaseModel):
