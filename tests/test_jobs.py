@@ -179,3 +179,28 @@ def test_engram_worker_runs_queued_jobs(tmp_path: Path, embedder: MiniLM,
         assert [x.kind for x in m.list(user_id="ana").items] == [Kind.EPISODIC]
     out = CliRunner().invoke(app, ["--db", str(db), "jobs", "--status", "done"])
     assert out.exit_code == 0 and job.id in out.stdout
+
+
+def test_a_failed_request_retried_with_its_key_runs_again(quiet: Memory,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    def invalid(*args: Any, **kwargs: Any) -> Any:
+        raise InvalidInput("nope")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(quiet, "_add", invalid)
+        job = quiet.add("x", user_id="ana", background=True, idempotency_key="k").job
+        assert job is not None
+        quiet.work(until_idle=True)
+        assert quiet.job(job.id).status is JobStatus.FAILED
+    again = quiet.add("x", user_id="ana", background=True, idempotency_key="k").job
+    assert again is not None and again.id == job.id and again.status is JobStatus.QUEUED
+    quiet.work(until_idle=True)
+    assert quiet.job(job.id).status is JobStatus.DONE
+    # ... and in the foreground, after a failure, the same key does the work in the same row
+    with monkeypatch.context() as mp:
+        mp.setattr(quiet, "_add", invalid)
+        j2 = quiet.add("y", user_id="ana", background=True, idempotency_key="k2").job
+        assert j2 is not None
+        quiet.work(until_idle=True)
+    r = quiet.add("y", user_id="ana", idempotency_key="k2")
+    assert [m.text for m in r.memories] == ["y"] and quiet.job(j2.id).status is JobStatus.DONE

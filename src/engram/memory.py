@@ -151,14 +151,16 @@ class Memory:
         if background:
             return AddResult(memories=[], events=[],
                              job=self._enqueue("add", req.scope, req.payload(), key))
+        failed = None
         if key is not None:
-            known = self._replay(key, req.fingerprint())
+            known, failed = self._replay(key, req.fingerprint())
             if known is not None:
                 return known
         try:
-            return self._add(req, key=key)
+            # a failed earlier attempt under this key is done again, in its own job row
+            return self._add(req, key=key, job=failed)
         except Conflict:  # another writer took the key meanwhile: its result is ours
-            known = self._replay(key or "", req.fingerprint())
+            known, _ = self._replay(key or "", req.fingerprint())
             if known is None:
                 raise
             return known
@@ -482,7 +484,15 @@ class Memory:
             if known is not None:
                 if known.fingerprint != fingerprint:
                     raise Conflict(f"idempotency key {key!r} was used for a different request")
-                return known
+                if known.status is not JobStatus.FAILED:
+                    return known
+                # the same request again after it failed for good: run it again
+                job = replace(known, status=JobStatus.QUEUED, attempts=0, run_at=now, error=None,
+                              updated_at=now)
+                with self.store.write() as tx:
+                    tx.put_job(job)
+                self._start_worker()
+                return job
         job = Job(id=new_id(), kind=kind, scope=scope, payload=payload, status=JobStatus.QUEUED,
                   created_at=now, updated_at=now, run_at=now, key=key, fingerprint=fingerprint)
         try:
@@ -497,19 +507,19 @@ class Memory:
         self._start_worker()
         return job
 
-    def _replay(self, key: str, fingerprint: str) -> AddResult | None:
-        """The result of an earlier request with this idempotency key, or None if there was none
-        (or it failed, so doing it again is right)."""
+    def _replay(self, key: str, fingerprint: str) -> tuple[AddResult | None, Job | None]:
+        """The result of an earlier request with this idempotency key; else None, with the
+        earlier job if it failed (so doing it again is right)."""
         job = self.store.job_by_key(key)
         if job is None:
-            return None
+            return None, None
         if job.fingerprint != fingerprint:
             raise Conflict(f"idempotency key {key!r} was used for a different request")
         if job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
             job = self.wait(job.id)
         if job.status is not JobStatus.DONE or job.result is None:
-            return None
-        return self._result(job.result)
+            return None, job
+        return self._result(job.result), None
 
     def _result(self, result: Mapping[str, Any]) -> AddResult:
         ids = list(result.get("memories", []))
