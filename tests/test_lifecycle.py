@@ -261,3 +261,12 @@ def test_out_of_range_importance_is_clamped_not_fatal(smart: Memory, script: Scr
     script.push(facts(fact("Ana runs marathons.", importance=7), fact("Ana hates rain.", importance=-1)))
     r = smart.add("I run marathons and hate rain", user_id="ana")
     assert sorted(m.importance for m in r.memories if m.provenance) == [0.0, 1.0]
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    ("2026-11-29 21:47.35.8.12", False), ("42", False), ("Lisbon", False),
+    ("Ana lives in Lisbon.", True), ("アナはリスボンに住んでいる", True), ("Ана живёт в Лиссабоне", True)])
+def test_only_sentences_become_memories(text: str, ok: bool) -> None:
+    from engram.pipeline.extract import is_sentence
+
+    assert is_sentence(text) is ok

@@ -286,7 +286,11 @@ class Memory:
                 log.warning("%s failed for %d messages: %s", task.name, len(chunk), exc)
                 continue
             assert reply.parsed is not None
-            found += extraction.candidates(reply.parsed, chunk, recent)
+            got = extraction.candidates(reply.parsed, chunk, recent)
+            if len(got) < len(reply.parsed.facts):
+                notes.append(f"{task.name}: left out {len(reply.parsed.facts) - len(got)} "
+                             "fragments that were not sentences")
+            found += got
             recent = list(chunk[-4:])
         if not found:
             return []

@@ -105,13 +105,15 @@ def prompt(new: Sequence[MemoryRecord], recent: Sequence[MemoryRecord],
 def candidates(reply: Extraction, new: Sequence[MemoryRecord],
                recent: Sequence[MemoryRecord]) -> list[Candidate]:
     """Turn a validated reply into candidates. Sources outside the new messages are dropped; a
-    fact with no valid source is attributed to every new message (it came from this batch)."""
+    fact with no valid source is attributed to every new message (it came from this batch).
+    A "fact" that is not a sentence (a bare date, a number, one word: what small models emit
+    when they have nothing to say) is not a memory and is left out."""
     numbered = [*recent, *new]
     first_new = len(recent) + 1
     out = []
     for fact in reply.facts:
         text = " ".join(fact.text.split())
-        if not text:
+        if not is_sentence(text):
             continue
         picked = [numbered[n - 1] for n in dict.fromkeys(fact.sources)
                   if first_new <= n <= len(numbered)] or list(new)
@@ -122,6 +124,13 @@ def candidates(reply: Extraction, new: Sequence[MemoryRecord],
             sources=tuple(m.id for m in picked),
             source_roles=frozenset(m.role or "user" for m in picked)))
     return out
+
+
+def is_sentence(text: str) -> bool:
+    """At least two words made of letters (in any script), or for scripts written without
+    spaces (Chinese, Japanese, Korean) at least four of their characters."""
+    return (len(re.findall(r"[^\W\d_]{2,}", text)) >= 2
+            or len(re.findall(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]", text)) >= 4)
 
 
 def _date(value: str | None, anchor: datetime) -> datetime | None:
