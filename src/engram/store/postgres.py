@@ -576,13 +576,18 @@ class PostgresStore:
         if not tables or self.reclaim_mode == "none" or getattr(self._local, "conn", None) is not None:
             return
         conn = self._pool.acquire()
+        skipped: list[psycopg.errors.Diagnostic] = []
+        conn.add_notice_handler(skipped.append)  # e.g. "skipping vacuum of ... lock not available"
         try:
             # VACUUM runs outside any transaction; SKIP_LOCKED: never wait behind another lock.
             conn.execute(f"VACUUM ({_RECLAIM[self.reclaim_mode]}, SKIP_LOCKED) {', '.join(tables)}")
         except psycopg.Error as exc:
             raise translate(exc) from exc
         finally:
+            conn.remove_notice_handler(skipped.append)
             self._pool.release(conn)
+        for notice in skipped:
+            log.warning("reclaim: %s", notice.message_primary)
 
     # -- jobs and sessions ---------------------------------------------------------------------
 
