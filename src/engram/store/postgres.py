@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -31,6 +31,7 @@ log = logging.getLogger("engram.store")
 
 _MIGRATION_LOCK = 0x656E6772  # pg_advisory_xact_lock key: one migrator at a time ("engr")
 _INDEX_LOCK = 0x656E6773      # ... and one creator of a dimension's HNSW index
+_WRITE_LOCK = 0x656E6774      # ... and one writer per tenant (with hashtext(tenant))
 _JOB_COLUMNS = ("id", "key", "fingerprint", "kind", "user_id", "agent_id", "session_id", "payload",
                 "status", "attempts", "run_at", "lease_until", "result", "error", "created_at",
                 "updated_at")
@@ -263,8 +264,10 @@ class PostgresStore:
                 self._pool.drop_idle()
                 if attempt == 1 or isinstance(exc, pgerr.QueryCanceled | pgerr.LockNotAvailable):
                     raise translate(exc) from exc
-            except BaseException:
+            except BaseException as exc:
                 self._pool.release(conn, discard=True)
+                if isinstance(exc, psycopg.Error):
+                    raise translate(exc) from exc
                 raise
         try:
             try:
@@ -296,10 +299,18 @@ class PostgresStore:
         with self._conn() as conn:
             return conn.execute(sql, params).fetchall()
 
-    @contextmanager
-    def write(self) -> Iterator[_PgTx]:
+    def write(self) -> AbstractContextManager[_PgTx]:
         """One transaction: it commits whole when the block ends, or leaves nothing. A nested
-        `write()` on the same thread is a savepoint of the outer one."""
+        `write()` on the same thread is a savepoint of the outer one.
+
+        Writes of one tenant take turns (a transaction-scoped advisory lock, waited for up to
+        `busy_timeout_s`), as SQLite's writers do: `Memory` reads before it writes inside the
+        transaction (is this fact already known?), and two concurrent adds of one fact must
+        not both find it missing. Reads never wait; other tenants write in parallel."""
+        return self._write(serialize=True)
+
+    @contextmanager
+    def _write(self, serialize: bool) -> Iterator[_PgTx]:
         outer = getattr(self._local, "conn", None)
         if outer is not None:
             try:
@@ -309,6 +320,8 @@ class PostgresStore:
                 raise translate(exc) from exc
             return
         with self._transaction() as conn:
+            if serialize:
+                conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_WRITE_LOCK, self.tenant))
             tx = _PgTx(conn, self)
             self._local.conn = conn
             try:
@@ -615,7 +628,7 @@ class PostgresStore:
         """SKIP LOCKED: concurrent workers each take a different runnable job instead of
         queueing behind the one row the first of them locked."""
         cols = ", ".join(_JOB_COLUMNS)
-        with self.write() as tx:
+        with self._write(serialize=False) as tx:  # many workers claim at once: rows, not turns
             row = tx.conn.execute(
                 "UPDATE jobs SET status = 'running', attempts = attempts + 1, lease_until = %s, "
                 "updated_at = %s WHERE tenant = %s AND id = (SELECT id FROM jobs WHERE tenant = %s AND "
