@@ -568,6 +568,11 @@ BAD_CALLS: dict[str, tuple[type[EngramError], Callable[[Memory, str], object]]] 
     "erase bad user": (InvalidInput, lambda m, i: m.erase(user_id="")),
     "history unknown": (NotFound, lambda m, i: m.history("no-such-id")),
     "stats bad scope": (InvalidInput, lambda m, i: m.stats(user_id=3)),
+    # NUL: PostgreSQL refuses it, so no backend takes it
+    "add NUL text": (InvalidInput, lambda m, i: m.add("a\x00b", user_id="ana")),
+    "add NUL metadata": (InvalidInput, lambda m, i: m.add("ok", metadata={"k": ["\x00"]})),
+    "add NUL user": (InvalidInput, lambda m, i: m.add("ok", user_id="a\x00")),
+    "update NUL text": (InvalidInput, lambda m, i: m.update(i, text="\x00")),
 }
 
 

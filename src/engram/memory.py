@@ -663,11 +663,7 @@ class Memory:
         if len(text) > self.config.max_text_chars:
             raise InvalidInput(f"text has {len(text)} characters; the limit is "
                                f"{self.config.max_text_chars} (ENGRAM_MAX_TEXT_CHARS)")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidInput(f"text is not valid unicode: {exc.reason}") from exc
-        return text
+        return _utf8(text, "text")
 
     def _record(self, m: Message, scope: Scope, kind: Kind, meta: dict[str, Any],
                 when: datetime | None, importance: float, expires_at: datetime | None,
@@ -1201,11 +1197,14 @@ def _id(value: Any, what: str = "id") -> str:
 
 
 def _utf8(value: str, what: str) -> str:
-    """Refuse lone surrogates: valid Python strings that no database or model can take."""
+    """Refuse lone surrogates and NUL characters: valid Python strings that not every database
+    can take (PostgreSQL refuses NUL in text), so no backend stores what another would refuse."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidInput(f"{what} is not valid unicode: {exc.reason}") from None
+    if "\x00" in value:
+        raise InvalidInput(f"{what} contains a NUL character")
     return value
 
 
@@ -1239,10 +1238,23 @@ def _metadata(meta: Any) -> dict[str, Any]:
         raise InvalidInput("metadata keys must be strings")
     try:
         encoded = json.dumps(dict(meta), allow_nan=False, ensure_ascii=False)
-        encoded.encode("utf-8")  # lone surrogates pass json.dumps but not the database
-        return json.loads(encoded)
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"metadata must be JSON-serialisable: {exc}") from exc
+    _utf8(encoded, "metadata")  # lone surrogates pass json.dumps, not databases
+    decoded: dict[str, Any] = json.loads(encoded)
+    if _has_nul(decoded):  # PostgreSQL's jsonb refuses \u0000
+        raise InvalidInput("metadata contains a NUL character")
+    return decoded
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any("\x00" in k or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 def _time(value: Any, name: str) -> datetime | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from ..config import Config
 from ..errors import StoreUnavailable
@@ -23,6 +24,7 @@ class Tenants:
         self._open: dict[str | None, Memory] = {}
         self._lock = threading.Lock()
         self._opening: dict[str | None, threading.Lock] = {}
+        self._base: Any = None  # on PostgreSQL: one connection pool shared by every tenant
 
     def get(self, tenant: str | None) -> Memory:
         mem = self._open.get(tenant)
@@ -34,13 +36,27 @@ class Tenants:
             mem = self._open.get(tenant)
             if mem is None:
                 try:
-                    mem = Memory(config=self.config, tenant=tenant, embedder=self.embedder)
+                    mem = Memory(config=self.config, tenant=tenant, embedder=self.embedder,
+                                 store=self._shared_store(tenant))
                 except OSError as exc:
                     # e.g. the data directory is gone or not writable: the database cannot be
                     # reached. Nothing is cached, so the next request tries again.
                     raise StoreUnavailable(f"cannot open the tenant's database: {exc}") from exc
                 self._open[tenant] = mem
         return mem
+
+    def _shared_store(self, tenant: str | None) -> Any:
+        """On PostgreSQL, the tenant's view of one shared pool (a pool per tenant would hold
+        idle connections for every tenant ever served); None on SQLite (a file per tenant)."""
+        if not self.config.database_url:
+            return None
+        with self._lock:
+            if self._base is None:
+                from ..store.postgres import PostgresStore
+
+                self._base = PostgresStore(self.config.database_url,
+                                           busy_timeout_s=self.config.busy_timeout_s)
+        return self._base.for_tenant(tenant or "")
 
     def __iter__(self) -> Iterator[Memory]:
         return iter(list(self._open.values()))
@@ -50,3 +66,6 @@ class Tenants:
             for mem in self._open.values():
                 mem.close()
             self._open.clear()
+            if self._base is not None:
+                self._base.close()
+                self._base = None
