@@ -359,17 +359,17 @@ class Memory:
             notes.append(f"consolidation by the LLM failed ({type(exc).__name__}); "
                          "facts deduplicated without it")
             log.warning("consolidation failed, deduplicating without the LLM: %s", exc)
+        known = {m.id: m for rel in related for m in rel}
+        vectors = dict(zip(known, self.embedder.embed_batch([_speaker_text(m) for m in known.values()]),
+                           strict=True))
         out = []
         for i, f in enumerate(facts):
             vec = index[f.id][0][0].vector
-            near = [(m, float(np.dot(vec, self._vector(m)))) for m in related[i]]
+            near = [(m, float(np.dot(vec, vectors[m.id]))) for m in related[i]]
             d = consolidate.decide(f, near, threshold=self.config.dedupe_threshold,
                                    min_overlap=self.config.dedupe_min_overlap)
             out.append(consolidate.Plan(i, d.action, d.target, None, d.reason))
         return out
-
-    def _vector(self, rec: MemoryRecord) -> np.ndarray:
-        return self.embedder.embed_batch([_speaker_text(rec)])[0]
 
     def _apply(self, tx: Any, learned: Sequence[_Learned], now: datetime,
                ) -> tuple[list[MemoryRecord], list[Event]]:
