@@ -203,20 +203,51 @@ def test_without_llm_reflection_says_so(mem: Memory) -> None:
 
 # --- the real llama.cpp server: the wire path, not answer quality ----------------------------
 
-def test_extraction_over_a_real_llama_cpp_server(tmp_path: Path, embedder: MiniLM) -> None:
-    with LlamaServer(n_ctx=2048) as server:
-        llm = LLM(OpenAICompatible(server.base_url), timeout_s=120, retries=0, output_retries=1)
+@pytest.fixture(scope="module")
+def server() -> Iterator[LlamaServer]:
+    with LlamaServer(n_ctx=2048) as s:
+        yield s
+
+
+def test_extraction_over_a_real_llama_cpp_server(server: LlamaServer, tmp_path: Path,
+                                                  embedder: MiniLM) -> None:
+    llm = LLM(OpenAICompatible(server.base_url), timeout_s=120, retries=0, output_retries=1)
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=llm) as m:
+        r = m.add([{"content": "My name is Ana and I live in Lisbon."},
+                   {"content": "I have a dog called Rex."}], user_id="ana")
+        assert sum(x.kind is Kind.EPISODIC for x in r.memories) == 2  # always kept
+        learned = [x for x in r.memories if x.kind is not Kind.EPISODIC]
+        # a 135M model may or may not produce usable facts: either they validated and carry
+        # provenance, or the fallback recorded why
+        assert learned or r.notes
+        for x in learned:
+            assert x.provenance and x.metadata["origin"]["source"] == "user"
+        assert llm.stats().calls >= 1 and llm.stats().total_tokens > 0
+
+
+def test_an_llm_that_times_out_never_blocks_a_write(server: LlamaServer, tmp_path: Path,
+                                                    embedder: MiniLM) -> None:
+    llm = LLM(OpenAICompatible(server.base_url, model="m"), timeout_s=0.01, retries=1,
+              output_retries=0, backoff_s=0.01)
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=llm) as m:
+        r = m.add("I moved to Lisbon", user_id="ana")
+        assert [x.text for x in r.memories] == ["I moved to Lisbon"]
+        assert "LLMTimeout" in r.notes[0]
+        assert m.stats().memories == 1
+
+
+def test_an_llm_that_answers_garbage_never_corrupts_a_write(tmp_path: Path, embedder: MiniLM) -> None:
+    from test_llms import chat_reply, fake_endpoint
+
+    with fake_endpoint(lambda request: (200, chat_reply("}}} not json {{{"))) as ep:
+        llm = LLM(OpenAICompatible(ep.base_url, model="m", structured="json_object"),
+                  retries=0, output_retries=1)
         with Memory(tmp_path / "m.db", embedder=embedder, llm=llm) as m:
-            r = m.add([{"content": "My name is Ana and I live in Lisbon."},
-                       {"content": "I have a dog called Rex."}], user_id="ana")
-            assert sum(x.kind is Kind.EPISODIC for x in r.memories) == 2  # always kept
-            learned = [x for x in r.memories if x.kind is not Kind.EPISODIC]
-            # a 135M model may or may not produce usable facts: either they validated and carry
-            # provenance, or the fallback recorded why
-            assert learned or r.notes
-            for x in learned:
-                assert x.provenance and x.metadata["origin"]["source"] == "user"
-            assert llm.stats().calls >= 1 and llm.stats().total_tokens > 0
+            r = m.add("I moved to Lisbon", user_id="ana")
+            assert [x.text for x in r.memories] == ["I moved to Lisbon"]
+            assert "LLMOutputError" in r.notes[0]
+            assert m.stats().by_kind == {"episodic": 1}
+            assert len(ep.requests) == 2  # the reply, then one retry with the validation error
 
 
 def test_a_late_fact_is_fitted_into_the_middle_of_a_history(smart: Memory, script: ScriptedLLM) -> None:
