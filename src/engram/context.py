@@ -380,14 +380,14 @@ def assemble(memory: Memory, query_or_messages: str | Sequence[Mapping[str, Any]
              user_id: str | None, agent_id: str | None, session_id: str | None,
              budget_tokens: int, blocks: Sequence[Block] | None, instructions: str | None,
              tokenizer: Tokenizer | None = None) -> Context:
-    from .memory import _scope
+    from . import validate as valid
     from .working.session import open_session
 
     if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1:
         raise InvalidInput("budget_tokens must be a positive integer")
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidInput("instructions must be a string")
-    scope = _scope(user_id, agent_id, session_id)
+    scope = valid.scope(user_id, agent_id, session_id)
     if scope.is_empty():
         raise InvalidInput("context() needs a user_id, an agent_id or a session_id")
     chosen = tuple(DEFAULT_BLOCKS if blocks is None else blocks)

@@ -16,12 +16,13 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from . import validate as valid
 from .config import Config
 from .errors import Conflict, EngramError, InvalidImport, InvalidInput, NotFound, ProviderError
 from .filters import parse_filters
@@ -37,7 +38,6 @@ from .model import (
     Message,
     Page,
     Scope,
-    as_utc,
     new_id,
     utcnow,
 )
@@ -70,8 +70,6 @@ Events = list[Event]
 builtins_list = list
 
 UNSET: Any = _Unset()  # "not given", as opposed to an explicit None
-MAX_ID_CHARS = 256
-MAX_LIMIT = 1000
 WINDOW = 3  # turns in an episode's `window` key: itself and the two before it
 EXTRACT_BATCH = 20  # messages per extraction call
 RELATED = 5  # existing memories a new fact is compared with
@@ -96,7 +94,7 @@ class Memory:
         if self.config.log_level:
             _configure_logging(self.config.log_level)
         if tenant is not None:
-            _id(tenant, "tenant")
+            valid.ident(tenant, "tenant")
         self.tenant = tenant
         self.store: Store = store or open_store(self.config, tenant)
         self.embedder = embedder or get_embedder(self.config.embedder)
@@ -143,11 +141,11 @@ class Memory:
         `wait(job.id)` gives the outcome. The same `idempotency_key` never does the work twice:
         a retry returns the first result, a different request under the same key is a `Conflict`.
         """
-        req = self._add_request(messages, _scope(user_id, agent_id, session_id), metadata,
+        req = self._add_request(messages, valid.scope(user_id, agent_id, session_id), metadata,
                                 observed_at, infer, kind, importance, expires_at)
         if not isinstance(background, bool):
             raise InvalidInput("background must be a bool")
-        key = None if idempotency_key is None else _id(idempotency_key, "idempotency_key")
+        key = None if idempotency_key is None else valid.ident(idempotency_key, "idempotency_key")
         if background:
             return AddResult(memories=[], events=[],
                              job=self._enqueue("add", req.scope, req.payload(), key))
@@ -170,10 +168,10 @@ class Memory:
         if not isinstance(infer, bool):
             raise InvalidInput("infer must be a bool")
         return _AddRequest(
-            messages=tuple(self._message(m) for m in _as_list(messages)), scope=scope,
-            kind=_kind(kind) or Kind.EPISODIC, metadata=_metadata(metadata),
-            observed_at=_time(observed_at, "observed_at"), importance=_importance(importance),
-            expires_at=_time(expires_at, "expires_at"), infer=infer)
+            messages=tuple(self._message(m) for m in valid.as_list(messages)), scope=scope,
+            kind=valid.kind(kind) or Kind.EPISODIC, metadata=valid.metadata(metadata),
+            observed_at=valid.moment(observed_at, "observed_at"), importance=valid.importance(importance),
+            expires_at=valid.moment(expires_at, "expires_at"), infer=infer)
 
     def _add(self, req: _AddRequest, *, key: str | None = None, job: Job | None = None) -> AddResult:
         now = utcnow()
@@ -440,7 +438,7 @@ class Memory:
                 session_id: str | None = None) -> AddResult:
         """Run extraction and consolidation over the stored episodes of a scope (e.g. at the end
         of a session whose messages were added with `infer=False`). No LLM: nothing to do."""
-        return self._learn_from(_scope(user_id, agent_id, session_id), extraction.EXTRACT, limit=None)
+        return self._learn_from(valid.scope(user_id, agent_id, session_id), extraction.EXTRACT, limit=None)
 
     def reflect(self, *, user_id: str | None = None, agent_id: str | None = None,
                 session_id: str | None = None, limit: int = 50) -> AddResult:
@@ -450,8 +448,8 @@ class Memory:
         Rules are only kept when they come from the user's own words (see `extraction.trust`). No
         LLM: nothing is synthesised and `notes` says so.
         """
-        return self._learn_from(_scope(user_id, agent_id, session_id), extraction.REFLECT,
-                                limit=_limit(limit))
+        return self._learn_from(valid.scope(user_id, agent_id, session_id), extraction.REFLECT,
+                                limit=valid.limit(limit))
 
     def _learn_from(self, scope: Scope, task: extraction.Task, limit: int | None) -> AddResult:
         if self.llm is None:
@@ -547,7 +545,7 @@ class Memory:
 
     def job(self, id: str) -> Job:
         """A background job by id (NotFound if unknown)."""
-        found = self.store.job(_id(id))
+        found = self.store.job(valid.ident(id))
         if found is None:
             raise NotFound(f"no job with id {id!r}")
         return found
@@ -561,8 +559,8 @@ class Memory:
                 status = JobStatus(status)
             except ValueError:
                 raise InvalidInput(f"status must be one of {[s.value for s in JobStatus]}") from None
-        return self.store.jobs(_scope(user_id, agent_id, session_id),
-                               status=None if status is None else status.value, limit=_limit(limit))
+        return self.store.jobs(valid.scope(user_id, agent_id, session_id),
+                               status=None if status is None else status.value, limit=valid.limit(limit))
 
     def wait(self, job_id: str, timeout: float | None = None) -> Job:
         """Block until a job is done or failed (running it in this process if no worker is
@@ -648,12 +646,12 @@ class Memory:
         name = m.get("name")
         if name is not None and (not isinstance(name, str) or not name.strip()):
             raise InvalidInput("a message 'name' must be a non-empty string")
-        _utf8(role, "a message 'role'")
+        valid.utf8(role, "a message 'role'")
         if name is not None:
-            _utf8(name, "a message 'name'")
+            valid.utf8(name, "a message 'name'")
         return Message(content=self._text(m["content"]), role=role, name=name,
-                       observed_at=_time(m.get("observed_at"), "observed_at"),
-                       metadata=_metadata(m.get("metadata")))
+                       observed_at=valid.moment(m.get("observed_at"), "observed_at"),
+                       metadata=valid.metadata(m.get("metadata")))
 
     def _text(self, text: Any) -> str:
         if not isinstance(text, str):
@@ -663,7 +661,7 @@ class Memory:
         if len(text) > self.config.max_text_chars:
             raise InvalidInput(f"text has {len(text)} characters; the limit is "
                                f"{self.config.max_text_chars} (ENGRAM_MAX_TEXT_CHARS)")
-        return _utf8(text, "text")
+        return valid.utf8(text, "text")
 
     def _record(self, m: Message, scope: Scope, kind: Kind, meta: dict[str, Any],
                 when: datetime | None, importance: float, expires_at: datetime | None,
@@ -756,11 +754,11 @@ class Memory:
             changes["text"] = self._text(text)
             changes["content_hash"] = content_hash(changes["text"])
         if metadata is not UNSET:
-            changes["metadata"] = _metadata(metadata)
+            changes["metadata"] = valid.metadata(metadata)
         if importance is not UNSET:
-            changes["importance"] = _importance(importance)
+            changes["importance"] = valid.importance(importance)
         if expires_at is not UNSET:
-            changes["expires_at"] = _time(expires_at, "expires_at")
+            changes["expires_at"] = valid.moment(expires_at, "expires_at")
         if not changes:
             raise InvalidInput("update needs at least one of text, metadata, importance, expires_at")
         now = utcnow()
@@ -799,13 +797,13 @@ class Memory:
         Returns how many memories were erased. The freed bytes are overwritten (secure_delete)
         and checkpointed out of the write-ahead log.
         """
-        scope = _scope(user_id, agent_id, session_id)
+        scope = valid.scope(user_id, agent_id, session_id)
         if id is None and scope.is_empty():
             raise InvalidInput("erase needs an id or at least one of user_id, agent_id, session_id")
         if id is not None:
-            _id(id)
+            valid.ident(id)
             found = self.store.get([id]).get(id)
-            if found is None or not _in_scope(found.scope, scope):
+            if found is None or not valid.in_scope(found.scope, scope):
                 raise NotFound(f"no memory with id {id!r}")
             ids = [id]
             scope = found.scope
@@ -871,7 +869,7 @@ class Memory:
 
     def get(self, id: str) -> MemoryRecord:
         """A memory by id (superseded ones too); NotFound if unknown, deleted or expired."""
-        _id(id)
+        valid.ident(id)
         rec = self._visible(id, utcnow())
         if rec is None:
             raise NotFound(f"no memory with id {id!r}")
@@ -883,8 +881,8 @@ class Memory:
              cursor: str | None = None, limit: int = 50) -> Page:
         """Visible memories in creation order, one page at a time."""
         query = self._query(user_id, agent_id, session_id, filters, kinds, as_of)
-        limit = _limit(limit)
-        if cursor is not None and (not isinstance(cursor, str) or len(cursor) > MAX_ID_CHARS):
+        limit = valid.limit(limit)
+        if cursor is not None and (not isinstance(cursor, str) or len(cursor) > valid.MAX_ID_CHARS):
             raise InvalidInput("cursor must be the next_cursor of a previous page")
         items = self.store.select(query, after_id=cursor, limit=limit + 1)
         more = len(items) > limit
@@ -898,7 +896,7 @@ class Memory:
         """Hybrid search: dense + lexical candidates, fused, adjusted; each hit explains itself."""
         text = self._text(query)
         q = self._query(user_id, agent_id, session_id, filters, kinds, as_of)
-        best = self._rank(text, q, _limit(limit))
+        best = self._rank(text, q, valid.limit(limit))
         records = self.store.get([mid for mid, _, _ in best])
         hits = [Hit(records[mid], score, explain) for mid, score, explain in best]
         self.store.touch([h.memory.id for h in hits], q.now)
@@ -930,7 +928,7 @@ class Memory:
 
     def history(self, id: str) -> Events:
         """Every event of a memory, oldest first (also for deleted and erased ids)."""
-        _id(id)
+        valid.ident(id)
         events = self.store.events(id)
         if not events and not self.store.get([id]):
             raise NotFound(f"no memory with id {id!r}")
@@ -938,17 +936,17 @@ class Memory:
 
     def stats(self, *, user_id: str | None = None, agent_id: str | None = None,
               session_id: str | None = None) -> Stats:
-        return self.store.stats(_scope(user_id, agent_id, session_id), utcnow())
+        return self.store.stats(valid.scope(user_id, agent_id, session_id), utcnow())
 
     def _query(self, user_id: str | None, agent_id: str | None, session_id: str | None,
                filters: Mapping[str, Any] | None, kinds: Iterable[str | Kind] | None,
                as_of: datetime | None) -> Query:
         if kinds is not None and isinstance(kinds, str | Kind):
             kinds = [kinds]
-        the_kinds = tuple(_kind(k) for k in kinds) if kinds is not None else None
-        return Query(scope=_scope(user_id, agent_id, session_id), now=utcnow(),
+        the_kinds = tuple(valid.kind(k) for k in kinds) if kinds is not None else None
+        return Query(scope=valid.scope(user_id, agent_id, session_id), now=utcnow(),
                      kinds=the_kinds or None,  # type: ignore[arg-type]
-                     conditions=parse_filters(filters), as_of=_time(as_of, "as_of"))
+                     conditions=parse_filters(filters), as_of=valid.moment(as_of, "as_of"))
 
     # -- working memory: sessions and context (see working/ and context.py) -------------------
 
@@ -992,7 +990,7 @@ class Memory:
     def export(self, path: str | Path, *, user_id: str | None = None,
                agent_id: str | None = None, session_id: str | None = None) -> int:
         """Write a scope (every memory, deleted and superseded too, with history) as JSON lines."""
-        scope = _scope(user_id, agent_id, session_id)
+        scope = valid.scope(user_id, agent_id, session_id)
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         count = 0
@@ -1146,11 +1144,11 @@ class _AddRequest:
         s = d["scope"]
         return cls(
             messages=tuple(Message(content=m["content"], role=m["role"], name=m["name"],
-                                   observed_at=_time(m["observed_at"], "observed_at"),
+                                   observed_at=valid.moment(m["observed_at"], "observed_at"),
                                    metadata=m["metadata"]) for m in d["messages"]),
             scope=Scope(s["user_id"], s["agent_id"], s["session_id"]), kind=Kind(d["kind"]),
-            metadata=d["metadata"], observed_at=_time(d["observed_at"], "observed_at"),
-            importance=d["importance"], expires_at=_time(d["expires_at"], "expires_at"),
+            metadata=d["metadata"], observed_at=valid.moment(d["observed_at"], "observed_at"),
+            importance=d["importance"], expires_at=valid.moment(d["expires_at"], "expires_at"),
             infer=d["infer"])
 
     def fingerprint(self) -> str:
@@ -1186,119 +1184,6 @@ def _configure_logging(level: str) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         handler.engram = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
-
-
-# -- validation helpers (pure) -----------------------------------------------------------------
-
-def _id(value: Any, what: str = "id") -> str:
-    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
-        raise InvalidInput(f"{what} must be a non-empty string of at most {MAX_ID_CHARS} characters")
-    return _utf8(value, what)
-
-
-def _utf8(value: str, what: str) -> str:
-    """Refuse lone surrogates and NUL characters: valid Python strings that not every database
-    can take (PostgreSQL refuses NUL in text), so no backend stores what another would refuse."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidInput(f"{what} is not valid unicode: {exc.reason}") from None
-    if "\x00" in value:
-        raise InvalidInput(f"{what} contains a NUL character")
-    return value
-
-
-def _scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:
-    for name, value in (("user_id", user_id), ("agent_id", agent_id), ("session_id", session_id)):
-        if value is not None:
-            _id(value, name)
-    return Scope(user_id, agent_id, session_id)
-
-
-def _in_scope(rec: Scope, wanted: Scope) -> bool:
-    return all(w is None or w == r for w, r in zip(wanted.as_dict().values(), rec.as_dict().values(),
-                                                   strict=True))
-
-
-def _kind(kind: Any) -> Kind | None:
-    if kind is None:
-        return None
-    try:
-        return Kind(kind)
-    except ValueError:
-        raise InvalidInput(f"kind must be one of {[k.value for k in Kind]}, not {kind!r}") from None
-
-
-def _metadata(meta: Any) -> dict[str, Any]:
-    if meta is None:
-        return {}
-    if not isinstance(meta, Mapping):
-        raise InvalidInput(f"metadata must be a mapping, not {type(meta).__name__}")
-    if not all(isinstance(k, str) for k in meta):
-        raise InvalidInput("metadata keys must be strings")
-    try:
-        encoded = json.dumps(dict(meta), allow_nan=False, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"metadata must be JSON-serialisable: {exc}") from exc
-    _utf8(encoded, "metadata")  # lone surrogates pass json.dumps, not databases
-    decoded: dict[str, Any] = json.loads(encoded)
-    if _has_nul(decoded):  # PostgreSQL's jsonb refuses \u0000
-        raise InvalidInput("metadata contains a NUL character")
-    return decoded
-
-
-def _has_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any("\x00" in k or _has_nul(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_nul(v) for v in value)
-    return False
-
-
-def _time(value: Any, name: str) -> datetime | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = datetime.fromisoformat(value)
-        except ValueError:
-            raise InvalidInput(f"{name} must be a datetime or ISO-8601 string") from None
-    if not isinstance(value, datetime):
-        raise InvalidInput(f"{name} must be a datetime or ISO-8601 string")
-    try:
-        value = as_utc(value)
-        # Stores keep times as epoch seconds: refuse what cannot be read back as a datetime.
-        datetime.fromtimestamp(value.timestamp(), UTC)
-    except (OverflowError, ValueError, OSError):
-        raise InvalidInput(f"{name} {value!r} is outside the supported range of times") from None
-    return value
-
-
-def _importance(value: Any) -> float:
-    if value is None:
-        return 0.5
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise InvalidInput("importance must be a number in [0, 1]")
-    return float(value)
-
-
-def _limit(limit: Any) -> int:
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise InvalidInput(f"limit must be an integer in [1, {MAX_LIMIT}]")
-    return limit
-
-
-def _as_list(messages: Any) -> list[Any]:
-    if isinstance(messages, str | Mapping):
-        return [messages]
-    if isinstance(messages, Sequence) and not isinstance(messages, bytes | bytearray):
-        if not messages:
-            raise InvalidInput("messages is empty")
-        return list(messages)
-    raise InvalidInput(f"messages must be a string, a mapping or a list of them, "
-                       f"not {type(messages).__name__}")
 
 
 def _speaker_text(rec: MemoryRecord) -> str:
@@ -1340,7 +1225,7 @@ def _read_export(path: Path) -> list[tuple[MemoryRecord, list[Event]]]:
 
 
 def _record_from_dict(d: dict[str, Any]) -> MemoryRecord:
-    times = {k: _time(d.get(k), k) for k in ("created_at", "updated_at", "observed_at",
+    times = {k: valid.moment(d.get(k), k) for k in ("created_at", "updated_at", "observed_at",
                                              "valid_from", "valid_to", "last_accessed_at",
                                              "expires_at", "deleted_at")}
     if times["created_at"] is None or times["updated_at"] is None:
@@ -1350,9 +1235,9 @@ def _record_from_dict(d: dict[str, Any]) -> MemoryRecord:
         raise ValueError("text must be a non-empty string")
     s = d["scope"]
     return MemoryRecord(
-        id=_id(d["id"]), scope=_scope(s.get("user_id"), s.get("agent_id"), s.get("session_id")),
-        kind=Kind(d["kind"]), text=text, metadata=_metadata(d.get("metadata")),
-        importance=_importance(d.get("importance")), role=d.get("role"), name=d.get("name"),
+        id=valid.ident(d["id"]), scope=valid.scope(s.get("user_id"), s.get("agent_id"), s.get("session_id")),
+        kind=Kind(d["kind"]), text=text, metadata=valid.metadata(d.get("metadata")),
+        importance=valid.importance(d.get("importance")), role=d.get("role"), name=d.get("name"),
         provenance=tuple(str(p) for p in d.get("provenance", [])),
         superseded_by=d.get("superseded_by"), access_count=int(d.get("access_count", 0)),
         content_hash=content_hash(text), **times,  # type: ignore[arg-type]
@@ -1361,8 +1246,8 @@ def _record_from_dict(d: dict[str, Any]) -> MemoryRecord:
 
 def _event_from_dict(d: dict[str, Any]) -> Event:
     s = d.get("scope") or {}
-    at = _time(d["at"], "at")
+    at = valid.moment(d["at"], "at")
     assert at is not None
-    return Event(id=_id(d["id"]), memory_id=d.get("memory_id"), type=EventType(d["type"]), at=at,
-                 scope=_scope(s.get("user_id"), s.get("agent_id"), s.get("session_id")),
+    return Event(id=valid.ident(d["id"]), memory_id=d.get("memory_id"), type=EventType(d["type"]), at=at,
+                 scope=valid.scope(s.get("user_id"), s.get("agent_id"), s.get("session_id")),
                  before=d.get("before"), after=d.get("after"), reason=d.get("reason"))

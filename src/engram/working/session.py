@@ -408,11 +408,11 @@ def reset_summaries(store: Any, tx: Any, scope: Scope) -> bool:
 def open_session(memory: Memory, *, session_id: str | None, user_id: str | None,
                  agent_id: str | None, policy: Policy | Mapping[str, Any] | str | None,
                  metadata: Mapping[str, Any] | None, catch_up: bool = True) -> SessionHandle:
-    from ..memory import _metadata, _scope
+    from .. import validate as valid
 
-    scope = _scope(user_id, agent_id, session_id if session_id is not None else new_id())
+    scope = valid.scope(user_id, agent_id, session_id if session_id is not None else new_id())
     wanted = as_policy(policy)
-    meta = _metadata(metadata) if metadata is not None else None
+    meta = valid.metadata(metadata) if metadata is not None else None
     row = memory.store.session(scope)
     stored = from_dict(row.policy) if row is not None and row.policy else None
     chosen = wanted or stored or DEFAULT_POLICY
@@ -428,9 +428,9 @@ def open_session(memory: Memory, *, session_id: str | None, user_id: str | None,
 
 def list_sessions(memory: Memory, *, user_id: str | None, agent_id: str | None,
                   session_id: str | None = None, limit: int = 50) -> list[Session]:
-    from ..memory import _limit, _scope
+    from .. import validate as valid
 
-    return memory.store.sessions(_scope(user_id, agent_id, session_id), limit=_limit(limit))
+    return memory.store.sessions(valid.scope(user_id, agent_id, session_id), limit=valid.limit(limit))
 
 
 class AsyncSessionHandle:

@@ -1,0 +1,126 @@
+"""Validation at the boundary: pure functions that turn caller input into clean values or
+raise `InvalidInput` before anything is written (ARCHITECTURE rule 9)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from .errors import InvalidInput
+from .model import Kind, Scope, as_utc
+
+MAX_ID_CHARS = 256
+MAX_LIMIT = 1000
+
+
+def ident(value: Any, what: str = "id") -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
+        raise InvalidInput(f"{what} must be a non-empty string of at most {MAX_ID_CHARS} characters")
+    return utf8(value, what)
+
+
+def utf8(value: str, what: str) -> str:
+    """Refuse lone surrogates and NUL characters: valid Python strings that not every database
+    can take (PostgreSQL refuses NUL in text), so no backend stores what another would refuse."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInput(f"{what} is not valid unicode: {exc.reason}") from None
+    if "\x00" in value:
+        raise InvalidInput(f"{what} contains a NUL character")
+    return value
+
+
+def scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:
+    for name, value in (("user_id", user_id), ("agent_id", agent_id), ("session_id", session_id)):
+        if value is not None:
+            ident(value, name)
+    return Scope(user_id, agent_id, session_id)
+
+
+def in_scope(rec: Scope, wanted: Scope) -> bool:
+    return all(w is None or w == r for w, r in zip(wanted.as_dict().values(), rec.as_dict().values(),
+                                                   strict=True))
+
+
+def kind(value: Any) -> Kind | None:
+    if value is None:
+        return None
+    try:
+        return Kind(value)
+    except ValueError:
+        raise InvalidInput(f"kind must be one of {[k.value for k in Kind]}, not {value!r}") from None
+
+
+def metadata(meta: Any) -> dict[str, Any]:
+    if meta is None:
+        return {}
+    if not isinstance(meta, Mapping):
+        raise InvalidInput(f"metadata must be a mapping, not {type(meta).__name__}")
+    if not all(isinstance(k, str) for k in meta):
+        raise InvalidInput("metadata keys must be strings")
+    try:
+        encoded = json.dumps(dict(meta), allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"metadata must be JSON-serialisable: {exc}") from exc
+    utf8(encoded, "metadata")  # lone surrogates pass json.dumps, not databases
+    decoded: dict[str, Any] = json.loads(encoded)
+    if has_nul(decoded):  # PostgreSQL's jsonb refuses \u0000
+        raise InvalidInput("metadata contains a NUL character")
+    return decoded
+
+
+def has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any("\x00" in k or has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(has_nul(v) for v in value)
+    return False
+
+
+def moment(value: Any, name: str) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise InvalidInput(f"{name} must be a datetime or ISO-8601 string") from None
+    if not isinstance(value, datetime):
+        raise InvalidInput(f"{name} must be a datetime or ISO-8601 string")
+    try:
+        value = as_utc(value)
+        # Stores keep times as epoch seconds: refuse what cannot be read back as a datetime.
+        datetime.fromtimestamp(value.timestamp(), UTC)
+    except (OverflowError, ValueError, OSError):
+        raise InvalidInput(f"{name} {value!r} is outside the supported range of times") from None
+    return value
+
+
+def importance(value: Any) -> float:
+    if value is None:
+        return 0.5
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise InvalidInput("importance must be a number in [0, 1]")
+    return float(value)
+
+
+def limit(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise InvalidInput(f"limit must be an integer in [1, {MAX_LIMIT}]")
+    return value
+
+
+def as_list(messages: Any) -> list[Any]:
+    if isinstance(messages, str | Mapping):
+        return [messages]
+    if isinstance(messages, Sequence) and not isinstance(messages, bytes | bytearray):
+        if not messages:
+            raise InvalidInput("messages is empty")
+        return list(messages)
+    raise InvalidInput(f"messages must be a string, a mapping or a list of them, "
+                       f"not {type(messages).__name__}")
