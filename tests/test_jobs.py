@@ -204,3 +204,19 @@ def test_a_failed_request_retried_with_its_key_runs_again(quiet: Memory,
         quiet.work(until_idle=True)
     r = quiet.add("y", user_id="ana", idempotency_key="k2")
     assert [m.text for m in r.memories] == ["y"] and quiet.job(j2.id).status is JobStatus.DONE
+
+
+def test_engram_add_background_queues_a_job(tmp_path: Path, embedder: MiniLM,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    monkeypatch.setattr("engram.memory.get_embedder", lambda name: embedder)
+    monkeypatch.setenv("ENGRAM_WORKER", "off")
+    db = str(tmp_path / "m.db")
+    out = CliRunner().invoke(app, ["--db", db, "--json", "add", "hello there", "-u", "ana",
+                                   "--background", "--no-infer"])
+    assert out.exit_code == 0, out.output
+    job = json.loads(out.stdout)["job"]
+    assert job["status"] == "queued" and job["payload"]["infer"] is False
+    out = CliRunner().invoke(app, ["--db", db, "worker", "--until-idle"])
+    assert out.exit_code == 0 and "ran 1 jobs" in out.stdout

@@ -247,6 +247,10 @@ def add(ctx: typer.Context,
             "--importance", help="0 to 1 (default 0.5).")] = None,
         expires_at: Annotated[str | None, typer.Option(
             "--expires-at", metavar="ISO", help="Forget it after this time.")] = None,
+        infer: Annotated[bool, typer.Option(
+            "--infer/--no-infer", help="With an LLM: also extract facts (default on).")] = True,
+        background: Annotated[bool, typer.Option(
+            "--background", help="Queue it as a job and return at once (see engram jobs).")] = False,
         db: DbOpt = None, as_json: JsonOpt = False) -> None:
     """Remember a message (episode) or a fact."""
     state = _state(ctx, db, as_json)
@@ -261,11 +265,16 @@ def add(ctx: typer.Context,
                       expires_at=_when(expires_at, "--expires-at"))
     with _memory(state) as mem:
         result = mem.add(text, user_id=user, agent_id=agent, session_id=session, kind=kind,
-                         importance=importance, **kwargs)
+                         importance=importance, infer=infer, background=background, **kwargs)
     if state.json:
         _print_json({"memories": [m.to_dict() for m in result.memories],
-                     "events": [e.to_dict() for e in result.events]})
+                     "events": [e.to_dict() for e in result.events], "notes": list(result.notes),
+                     "job": result.job.to_dict() if result.job else None})
         return
+    if result.job:
+        typer.echo(f"queued job {result.job.id}")
+    for note in result.notes:
+        typer.echo(note, err=True)
     touched = {e.memory_id for e in result.events}
     verbs = {EventType.ADD: "added", EventType.MERGE: "merged into", EventType.DELETE: "evicted"}
     for ev in result.events:
