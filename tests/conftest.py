@@ -21,6 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from engram import Memory  # noqa: E402
 from engram.providers.embedders import MiniLM  # noqa: E402
+from engram.providers.llms import LLM, ScriptedLLM  # noqa: E402
 from engram.store import SQLiteStore, Store  # noqa: E402
 from pg_server import PG  # noqa: E402
 
@@ -87,6 +88,20 @@ def embedder() -> MiniLM:
 @pytest.fixture
 def mem(tmp_path: Path, embedder: MiniLM) -> Iterator[Memory]:
     m = Memory(tmp_path / "m.db", embedder=embedder)
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def script() -> ScriptedLLM:
+    """The deterministic LLM of decision tests: push replies, read `requests`."""
+    return ScriptedLLM()
+
+
+@pytest.fixture
+def smart(tmp_path: Path, embedder: MiniLM, script: ScriptedLLM) -> Iterator[Memory]:
+    """A Memory with the scripted LLM: no transport retries, one retry on invalid output."""
+    m = Memory(tmp_path / "m.db", embedder=embedder, llm=LLM(script, retries=0, output_retries=1))
     yield m
     m.close()
 

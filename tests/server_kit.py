@@ -3,12 +3,15 @@ API keys for two tenants (an admin and a member key each), and a client per key.
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi.testclient import TestClient
 
 from engram.config import Config
@@ -57,3 +60,20 @@ def error_code(response: Any) -> str:
     body = response.json()
     assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
     return str(body["error"]["code"])
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Run an ASGI app on a real uvicorn in this process; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)  # connections wait in the backlog until uvicorn has started: no polling
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()

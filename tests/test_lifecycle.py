@@ -34,18 +34,6 @@ def decide(*items: tuple[int, str, str | None] | tuple[int, str, str | None, str
                           for d in items]}
 
 
-@pytest.fixture
-def script() -> ScriptedLLM:
-    return ScriptedLLM()
-
-
-@pytest.fixture
-def smart(tmp_path: Path, embedder: MiniLM, script: ScriptedLLM) -> Iterator[Memory]:
-    m = Memory(tmp_path / "m.db", embedder=embedder, llm=LLM(script, output_retries=1, retries=0))
-    yield m
-    m.close()
-
-
 def at(day: str) -> datetime:
     return datetime.fromisoformat(day).replace(tzinfo=UTC)
 

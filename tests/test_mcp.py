@@ -8,7 +8,6 @@ import asyncio
 import os
 import queue
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,6 @@ from typing import Any
 
 import httpx2
 import pytest
-import uvicorn
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from typer.testing import CliRunner
@@ -29,6 +27,7 @@ from engram import graph as kg
 from engram.cli import app
 from engram.mcp import build_server, current_request
 from engram.providers.embedders import MiniLM
+from server_kit import serve_in_thread
 
 TOOLS = {"remember", "recall", "forget", "list_memories", "get_context", "create_entities",
          "create_relations", "add_observations", "delete_entities", "delete_observations",
@@ -230,22 +229,6 @@ def test_http_knowledge_graph(tmp_path: Path, embedder: MiniLM) -> None:
 
 # -- in-process HTTP: one server, a Memory per request (how the REST service mounts it) ------------
 
-@contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)  # connections wait in the backlog until uvicorn has started: no polling
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/mcp"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        sock.close()
-
-
 def test_resolve_picks_the_memory_per_request(tmp_path: Path, embedder: MiniLM) -> None:
     mems = {name: Memory(tmp_path / f"{name}.db", embedder=embedder) for name in ("a", "b")}
     seen: list[str] = []
@@ -272,8 +255,8 @@ def test_resolve_picks_the_memory_per_request(tmp_path: Path, embedder: MiniLM) 
 
     server = build_server(resolve, user_id="u1")
     try:
-        with serve_in_thread(server.streamable_http_app()) as url:
-            asyncio.run(scenario(url))
+        with serve_in_thread(server.streamable_http_app()) as base:
+            asyncio.run(scenario(base + "/mcp"))
     finally:
         for m in mems.values():
             m.close()

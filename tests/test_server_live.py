@@ -10,13 +10,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
-import uvicorn
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
@@ -24,24 +22,9 @@ from engram.config import Config
 from engram.providers.embedders import MiniLM
 from engram.server import ServiceLimits, create_app
 from engram.store.keys import SQLiteKeyStore
+from server_kit import serve_in_thread
 
 CANARY = "canary-51c9: the vault code is 4417"
-
-
-@contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)  # connections wait in the backlog until uvicorn has started: no polling
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-        sock.close()
 
 
 @pytest.fixture

@@ -88,8 +88,8 @@ def render(messages: Sequence[MemoryRecord], start: int = 1) -> str:
     return "\n".join(lines)
 
 
-def prompt(new: Sequence[MemoryRecord], recent: Sequence[MemoryRecord],
-           summary: str = "") -> list[dict[str, str]]:
+def prompt(new: Sequence[MemoryRecord], recent: Sequence[MemoryRecord], summary: str = "",
+           system: str = SYSTEM) -> list[dict[str, str]]:
     """The request for one batch of new messages (numbered after the recent ones, which are
     context only)."""
     parts = []
@@ -99,7 +99,7 @@ def prompt(new: Sequence[MemoryRecord], recent: Sequence[MemoryRecord],
         parts.append("Earlier messages (context only, extract nothing from them):\n"
                      + render(recent))
     parts.append("New messages (extract from these):\n" + render(new, start=len(recent) + 1))
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\n\n".join(parts)}]
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
 def candidates(reply: Extraction, new: Sequence[MemoryRecord],
@@ -218,8 +218,7 @@ class Task:
 
     def prompt(self, new: Sequence[MemoryRecord], recent: Sequence[MemoryRecord],
                summary: str = "") -> list[dict[str, str]]:
-        messages = prompt(new, recent if self.context else (), summary)
-        return [{"role": "system", "content": self.system}, *messages[1:]]
+        return prompt(new, recent if self.context else (), summary, self.system)
 
 
 EXTRACT = Task("extraction", PROMPT_VERSION, SYSTEM, context=True)
