@@ -220,3 +220,10 @@ def test_engram_add_background_queues_a_job(tmp_path: Path, embedder: MiniLM,
     assert job["status"] == "queued" and job["payload"]["infer"] is False
     out = CliRunner().invoke(app, ["--db", db, "worker", "--until-idle"])
     assert out.exit_code == 0 and "ran 1 jobs" in out.stdout
+
+
+def test_a_foreground_retry_of_a_queued_request_never_blocks(quiet: Memory) -> None:
+    quiet.add("x", user_id="ana", background=True, idempotency_key="k")  # no worker runs it
+    with pytest.raises(Conflict, match="queued; retry later"):
+        quiet.add("x", user_id="ana", idempotency_key="k")
+    assert quiet.stats(user_id="ana").memories == 0

@@ -517,8 +517,14 @@ class Memory:
             return None, None
         if job.fingerprint != fingerprint:
             raise Conflict(f"idempotency key {key!r} was used for a different request")
+        if job.status is JobStatus.QUEUED and self.config.worker != "thread":
+            # no worker here to wait for: never block on `engram worker` processes
+            raise Conflict(f"the request with idempotency key {key!r} is queued; retry later")
         if job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
-            job = self.wait(job.id)
+            job = self.wait(job.id, timeout=JOB_LEASE_S)
+            if job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
+                raise Conflict(f"the request with idempotency key {key!r} is still running; "
+                               "retry later")
         if job.status is not JobStatus.DONE or job.result is None:
             return None, job
         return self._result(job.result), None
