@@ -267,7 +267,7 @@ def test_reflection_is_queued_every_n_episodes(tmp_path: Path, embedder: MiniLM,
         assert m.jobs() == []
         m.add(["c", "d"], user_id="ana", infer=False)  # crosses 3
         (job,) = m.jobs()
-        assert job.kind == "reflect" and job.scope.user_id == "ana"
+        assert job.task == "reflect" and job.scope.user_id == "ana"
         m.add(["e"], user_id="ana", infer=False)  # 5: no new step
         assert len(m.jobs()) == 1
         script.push(facts(fact("Ana writes single letters.", sources=[1])))

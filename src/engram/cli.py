@@ -869,7 +869,7 @@ def sessions_show(ctx: typer.Context,
         messages = s.messages()
     if state.json:
         _print_json({**row.to_dict(), "messages": [
-            {**m.to_chat(), "id": m.id, "at": m.at.isoformat() if m.at else None}
+            {**m.to_chat(), "id": m.id, "observed_at": m.observed_at.isoformat() if m.observed_at else None}
             for m in messages]})
         return
     console = _console()
@@ -881,7 +881,7 @@ def sessions_show(ctx: typer.Context,
         console.print(_text(row.summary))
     for m in messages:
         who = m.name or m.role
-        console.print(_text(f"{_date(m.at)} {who}: {m.text}"))
+        console.print(_text(f"{_date(m.observed_at)} {who}: {m.text}"))
 
 
 def _scope_text(scope: Any) -> str:

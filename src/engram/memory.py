@@ -271,7 +271,7 @@ class Memory:
         fact_scope = scope if scope.user_id is None and scope.agent_id is None \
             else Scope(scope.user_id, scope.agent_id, None)  # facts outlive the session
         recent = [r for r in self.store.recent_episodes(scope, 4)[::-1]
-                  if r.id not in {e.id for e in episodes}] if task.context else []
+                  if r.id not in {e.id for e in episodes}] if task.with_recent else []
         session = self.store.session(scope) if scope.session_id else None
         found: list[extraction.Candidate] = []
         for i in range(0, len(episodes), EXTRACT_BATCH):
@@ -478,8 +478,8 @@ class Memory:
 
     # -- background jobs ---------------------------------------------------------------------
 
-    def _enqueue(self, kind: str, scope: Scope, payload: dict[str, Any], key: str | None) -> Job:
-        fingerprint = _fingerprint(kind, payload)
+    def _enqueue(self, task: str, scope: Scope, payload: dict[str, Any], key: str | None) -> Job:
+        fingerprint = _fingerprint(task, payload)
         now = utcnow()
         if key is not None:
             known = self.store.job_by_key(key)
@@ -495,7 +495,7 @@ class Memory:
                     tx.put_job(job)
                 self._start_worker()
                 return job
-        job = Job(id=new_id(), kind=kind, scope=scope, payload=payload, status=JobStatus.QUEUED,
+        job = Job(id=new_id(), task=task, scope=scope, payload=payload, status=JobStatus.QUEUED,
                   created_at=now, updated_at=now, run_at=now, key=key, fingerprint=fingerprint)
         try:
             with self.store.write() as tx:
@@ -505,7 +505,7 @@ class Memory:
             if known is None or known.fingerprint != fingerprint:
                 raise
             return known
-        log.info("queued %s job %s", kind, job.id)
+        log.info("queued %s job %s", task, job.id)
         self._start_worker()
         return job
 
@@ -543,7 +543,7 @@ class Memory:
                    "notes": list(result.notes)}
         if job is None:
             payload = req.payload()
-            job = Job(id=new_id(), kind="add", scope=req.scope, payload=payload,
+            job = Job(id=new_id(), task="add", scope=req.scope, payload=payload,
                       status=JobStatus.DONE, created_at=now, updated_at=now, run_at=now, attempts=1,
                       key=key, fingerprint=_fingerprint("add", payload))
         return replace(job, status=JobStatus.DONE, result=summary, error=None, updated_at=now,
@@ -603,11 +603,11 @@ class Memory:
 
     def _run(self, job: Job) -> None:
         try:
-            if job.kind == "add":
+            if job.task == "add":
                 self._add(_AddRequest.from_payload(job.payload), key=job.key, job=job)
                 return
             scope = job.scope
-            task = extraction.REFLECT if job.kind == "reflect" else extraction.EXTRACT
+            task = extraction.REFLECT if job.task == "reflect" else extraction.EXTRACT
             result = self._learn_from(scope, task, job.payload.get("limit"))
             with self.store.write() as tx:
                 tx.put_job(replace(job, status=JobStatus.DONE, updated_at=utcnow(), lease_until=None,
@@ -619,7 +619,7 @@ class Memory:
             final = isinstance(exc, InvalidInput | NotFound) or job.attempts > self.config.job_retries
             status = JobStatus.FAILED if final else JobStatus.QUEUED
             retry = now + timedelta(seconds=min(2 ** job.attempts, 60))
-            log.warning("job %s (%s) attempt %d failed: %r%s", job.id, job.kind, job.attempts, exc,
+            log.warning("job %s (%s) attempt %d failed: %r%s", job.id, job.task, job.attempts, exc,
                         "" if final else f"; retrying at {retry:%H:%M:%S}")
             with self.store.write() as tx:
                 tx.put_job(replace(job, status=status, error=f"{type(exc).__name__}: {exc}",
@@ -927,7 +927,7 @@ class Memory:
                 if w:
                     ranked[label] = self.store.dense(q, vector, n, key=key)
         if cfg.lexical_weight:
-            ranked["lexical"] = self.store.lexical(q, terms(text), n, cfg.context_weight)
+            ranked["lexical"] = self.store.lexical(q, terms(text), n, cfg.previous_weight)
         fused = fuse(ranked, {"dense": cfg.dense_weight, "window": cfg.window_weight,
                               "fact": cfg.fact_weight, "lexical": cfg.lexical_weight}, cfg)
         return rank(fused, self.store.candidates(list(fused)), text, cfg, q.as_of or q.now)[:limit]

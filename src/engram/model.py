@@ -158,7 +158,7 @@ class Job:
     """
 
     id: str
-    kind: str
+    task: str  # add | extract | reflect
     scope: Scope
     payload: dict[str, Any]
     status: JobStatus

@@ -346,7 +346,7 @@ def test_lexical_context_column_counts_less_than_the_body(store: Store) -> None:
     hits = store.lexical(q(), ["ferry"], 10)
     assert [m for m, _ in hits] == [body.id, ctx.id]
     assert hits[0][1] > hits[1][1] > 0
-    heavy = store.lexical(q(), ["ferry"], 10, context_weight=5.0)
+    heavy = store.lexical(q(), ["ferry"], 10, previous_weight=5.0)
     assert [m for m, _ in heavy] == [ctx.id, body.id]
 
 

@@ -214,12 +214,12 @@ class Task:
     name: str
     version: str
     system: str
-    context: bool  # show recent earlier messages as context
+    with_recent: bool  # show recent earlier messages (as context only)
 
     def prompt(self, new: Sequence[MemoryRecord], recent: Sequence[MemoryRecord],
                summary: str = "") -> list[dict[str, str]]:
-        return prompt(new, recent if self.context else (), summary, self.system)
+        return prompt(new, recent if self.with_recent else (), summary, self.system)
 
 
-EXTRACT = Task("extraction", PROMPT_VERSION, SYSTEM, context=True)
-REFLECT = Task("reflection", "reflect/1", REFLECT_SYSTEM, context=False)
+EXTRACT = Task("extraction", PROMPT_VERSION, SYSTEM, with_recent=True)
+REFLECT = Task("reflection", "reflect/1", REFLECT_SYSTEM, with_recent=False)

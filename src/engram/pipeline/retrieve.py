@@ -27,8 +27,8 @@ class RetrievalConfig:
     dense_weight: float = 0.5      # cosine of the query to the memory's own text
     window_weight: float = 0.0     # cosine to the episode's window (itself + 2 turns before)
     fact_weight: float = 0.0       # cosine to the facts extracted from the episode (with an LLM)
-    lexical_weight: float = 0.5    # BM25 over text (+ previous turn at `context_weight`)
-    context_weight: float = 0.5
+    lexical_weight: float = 0.5    # BM25 over text (+ previous turn at `previous_weight`)
+    previous_weight: float = 0.5
     fusion: Literal["weighted", "rrf"] = "weighted"
     rrf_k: int = 60
     candidates: int = 100          # per retriever, before fusion
@@ -58,9 +58,9 @@ PRESETS: dict[str, RetrievalConfig] = {
                         when_boost=0.15, session_weight=0.3, recency_weight=0.01,
                         importance_weight=0.01),
         # Plain baselines, for comparison.
-        RetrievalConfig("rrf", fusion="rrf", context_weight=0.0),
+        RetrievalConfig("rrf", fusion="rrf", previous_weight=0.0),
         RetrievalConfig("dense", dense_weight=1.0, lexical_weight=0.0),
-        RetrievalConfig("lexical", dense_weight=0.0, lexical_weight=1.0, context_weight=0.0),
+        RetrievalConfig("lexical", dense_weight=0.0, lexical_weight=1.0, previous_weight=0.0),
     )
 }
 

@@ -166,7 +166,7 @@ class EventOut(BaseModel):
 
 class JobOut(BaseModel):
     id: str
-    kind: str
+    task: str = Field(description="add | extract | reflect")
     scope: ScopeOut
     status: JobStatus
     created_at: datetime

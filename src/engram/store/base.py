@@ -43,7 +43,7 @@ class Key:
     before it in its session), so a turn can be found by what was being talked about.
     """
 
-    kind: str
+    name: str  # text | window | fact
     vector: np.ndarray
 
 
@@ -62,10 +62,11 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Lexical:
-    """What the lexical index holds for a memory: its text and (weighted lower) its context."""
+    """What the lexical index holds for a memory: its text and (weighted lower) the turn before
+    it, which is often what a short answer is about ("Yes, since 2019!")."""
 
     body: str
-    context: str = ""
+    previous: str = ""
 
 
 @dataclass(frozen=True)
@@ -138,9 +139,9 @@ class Store(Protocol):
         """Visible memories by cosine of their `key` vector, highest first."""
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
-                context_weight: float = 0.5) -> list[tuple[str, float]]:
+                previous_weight: float = 0.5) -> list[tuple[str, float]]:
         """Visible memories matching any of `terms` by BM25 (higher is better), the context
-        column weighted by `context_weight` against the body."""
+        `previous` column weighted by `previous_weight` against the body."""
 
     def find_hash(self, scope: Scope, kind: Kind, content_hash: str,
                   now: datetime) -> MemoryRecord | None:

@@ -78,7 +78,7 @@ def _event(row: Sequence[Any]) -> Event:
 
 def _job(row: Sequence[Any]) -> Job:
     r = dict(zip(_JOB_COLUMNS, row, strict=True))
-    return Job(id=r["id"], key=r["key"], fingerprint=r["fingerprint"], kind=r["kind"],
+    return Job(id=r["id"], key=r["key"], fingerprint=r["fingerprint"], task=r["kind"],
                scope=Scope(r["user_id"], r["agent_id"], r["session_id"]), payload=r["payload"],
                status=JobStatus(r["status"]), attempts=r["attempts"],
                run_at=_utc(r["run_at"]), lease_until=_utc(r["lease_until"]),  # type: ignore[arg-type]
@@ -369,12 +369,12 @@ class PostgresStore:
         return [(r[0], float(r[1])) for r in rows]
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
-                context_weight: float = 0.5) -> list[tuple[str, float]]:
+                previous_weight: float = 0.5) -> list[tuple[str, float]]:
         text = q.tsquery_text(terms)
         if not text or k <= 0:
             return []
         # ts_rank takes weights in [0, 1] ({D, C, B, A}): scale both down, and the rank back up.
-        cw = max(0.0, float(context_weight))
+        cw = max(0.0, float(previous_weight))
         scale = max(1.0, cw)
         weights = [0.0, 0.0, cw / scale, 1.0 / scale]
         where, params = q.compile_query(query, self.tenant)
@@ -573,7 +573,7 @@ class _PgTx:
         cols = ", ".join(["tenant", *q.COLUMNS, "lex"])
         marks = ", ".join(["%s"] * (len(q.COLUMNS) + 1))
         self.conn.execute(f"INSERT INTO memories ({cols}) VALUES ({marks}, {_LEX})",
-                          [self.tenant, *_record_values(record), lexical.body, lexical.context])
+                          [self.tenant, *_record_values(record), lexical.body, lexical.previous])
         self._put_keys(record.id, keys)
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
@@ -581,7 +581,7 @@ class _PgTx:
         for key in keys:
             v = np.asarray(key.vector, dtype=np.float32).ravel()
             self._ensure_index(int(v.shape[0]))
-            rows.append((self.tenant, memory_id, key.kind, int(v.shape[0]), q.vector_literal(v)))
+            rows.append((self.tenant, memory_id, key.name, int(v.shape[0]), q.vector_literal(v)))
         if rows:
             with self.conn.cursor() as cur:
                 cur.executemany("INSERT INTO memory_keys (tenant, memory_id, kind, dim, vector) "
@@ -605,7 +605,7 @@ class _PgTx:
         params = _record_values(record)[1:]
         if lexical is not None:
             sets += f", lex = {_LEX}"
-            params += [lexical.body, lexical.context]
+            params += [lexical.body, lexical.previous]
         self.conn.execute(f"UPDATE memories SET {sets} WHERE tenant = %s AND id = %s",
                           [*params, self.tenant, record.id])
         if keys is not None:
@@ -649,7 +649,7 @@ class _PgTx:
                 self.conn.execute(
                     f"INSERT INTO jobs ({cols}) VALUES ({', '.join(['%s'] * (len(_JOB_COLUMNS) + 1))}) "
                     f"ON CONFLICT (tenant, id) DO UPDATE SET {updates}",
-                    (self.tenant, job.id, job.key, job.fingerprint, job.kind, s.user_id, s.agent_id,
+                    (self.tenant, job.id, job.key, job.fingerprint, job.task, s.user_id, s.agent_id,
                      s.session_id, Json(job.payload), job.status.value, job.attempts, job.run_at,
                      job.lease_until, None if job.result is None else Json(job.result), job.error,
                      job.created_at, job.updated_at))

@@ -182,7 +182,7 @@ def _row_to_event(row: Sequence[Any]) -> Event:
 
 def _job_values(job: Job) -> list[Any]:
     s = job.scope
-    return [job.id, job.key, job.fingerprint, job.kind, s.user_id, s.agent_id, s.session_id,
+    return [job.id, job.key, job.fingerprint, job.task, s.user_id, s.agent_id, s.session_id,
             json.dumps(job.payload, ensure_ascii=False), job.status.value, job.attempts,
             _ts(job.run_at), _ts(job.lease_until),
             None if job.result is None else json.dumps(job.result, ensure_ascii=False), job.error,
@@ -191,7 +191,7 @@ def _job_values(job: Job) -> list[Any]:
 
 def _row_to_job(row: Sequence[Any]) -> Job:
     r = dict(zip(_JOB_COLUMNS, row, strict=True))
-    return Job(id=r["id"], key=r["key"], fingerprint=r["fingerprint"], kind=r["kind"],
+    return Job(id=r["id"], key=r["key"], fingerprint=r["fingerprint"], task=r["kind"],
                scope=Scope(r["user_id"], r["agent_id"], r["session_id"]),
                payload=json.loads(r["payload"]), status=JobStatus(r["status"]),
                attempts=r["attempts"], run_at=_dt(r["run_at"]),  # type: ignore[arg-type]
@@ -546,14 +546,14 @@ class SQLiteStore:
             out.update(r[0] for r in rows)
         return out
 
-    def _slab(self, scope: Scope, key_kind: str, dim: int) -> tuple[_Slab, bool]:
+    def _slab(self, scope: Scope, key_name: str, dim: int) -> tuple[_Slab, bool]:
         """The scope's cache, refreshed; and whether it is exact (its visibility attributes
         may be used instead of re-checking candidates against the tables)."""
         meta = dict(self._read("SELECT name, value FROM meta"))
         version: int = meta["keys_version"]
         rows_version: int = meta["rows_version"]
         in_tx = self._conn().in_transaction
-        key = (scope.user_id, scope.agent_id, scope.session_id, key_kind)
+        key = (scope.user_id, scope.agent_id, scope.session_id, key_name)
         s_sql, s_params = _scope_sql(scope)
         with self._slabs_lock:
             slab = self._slabs.get(key)
@@ -581,7 +581,7 @@ class SQLiteStore:
                 rows = self._read(
                     "SELECT k.seq, k.memory_id, k.vector, m.kind, m.expires_at, m.valid_from, "
                     f"m.valid_to FROM memory_keys k JOIN memories m ON m.id = k.memory_id "
-                    f"WHERE {where} ORDER BY k.seq", [slab.max_seq, key_kind, *s_params])
+                    f"WHERE {where} ORDER BY k.seq", [slab.max_seq, key_name, *s_params])
                 if rows:
                     vecs = np.frombuffer(b"".join(r[2] for r in rows), dtype=np.float32)
                     slab.append([r[0] for r in rows], [r[1] for r in rows],
@@ -594,7 +594,7 @@ class SQLiteStore:
                 slab.reset_attrs(self._read(
                     "SELECT k.seq, m.kind, m.expires_at, m.valid_from, m.valid_to "
                     f"FROM memory_keys k JOIN memories m ON m.id = k.memory_id WHERE {where}",
-                    [key_kind, slab.max_seq, *s_params]))
+                    [key_name, slab.max_seq, *s_params]))
                 slab.rows_version = rows_version
             exact = not in_tx and slab.version == version and slab.rows_version == rows_version
             return slab, exact
@@ -662,7 +662,7 @@ class SQLiteStore:
         return out
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
-                context_weight: float = 0.5) -> list[tuple[str, float]]:
+                previous_weight: float = 0.5) -> list[tuple[str, float]]:
         if not terms:
             return []
         match = "(" + " OR ".join('"' + t.replace('"', '""') + '"' for t in terms) + ")"
@@ -673,7 +673,7 @@ class SQLiteStore:
         rows = self._read(
             "SELECT m.id, -bm25(memory_fts, 1.0, ?, 0.0) AS s FROM memory_fts "
             f"JOIN memories m ON m.rid = memory_fts.rowid WHERE memory_fts MATCH ? AND {where} "
-            "ORDER BY s DESC LIMIT ?", [context_weight, match, *params, k])
+            "ORDER BY s DESC LIMIT ?", [previous_weight, match, *params, k])
         return [(r[0], float(r[1])) for r in rows]
 
     def find_hash(self, scope: Scope, kind: Kind, content_hash: str,
@@ -838,14 +838,14 @@ class _SQLiteTx:
             f"INSERT INTO memories ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
             _record_values(record))
         self.conn.execute("INSERT INTO memory_fts(rowid, body, context, owner) VALUES (?, ?, ?, ?)",
-                          (cur.lastrowid, lexical.body, lexical.context,
+                          (cur.lastrowid, lexical.body, lexical.previous,
                            " ".join(owner_tokens(record.scope))))
         self._put_keys(record.id, keys)
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
         self.conn.executemany(
             "INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
-            [(memory_id, k.kind, np.asarray(k.vector, dtype=np.float32).tobytes()) for k in keys])
+            [(memory_id, k.name, np.asarray(k.vector, dtype=np.float32).tobytes()) for k in keys])
         self.keys_changed = True
         self.local.dirty = True
 
@@ -862,7 +862,7 @@ class _SQLiteTx:
             self.conn.execute("DELETE FROM memory_fts WHERE rowid = ?", (rid,))
             self.conn.execute("INSERT INTO memory_fts(rowid, body, context, owner) "
                               "VALUES (?, ?, ?, ?)",
-                              (rid, lexical.body, lexical.context,
+                              (rid, lexical.body, lexical.previous,
                                " ".join(owner_tokens(record.scope))))
 
     def soft_delete(self, ids: Sequence[str], at: datetime) -> None:

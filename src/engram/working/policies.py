@@ -30,7 +30,7 @@ class SessionMessage:
     content: str | None
     name: str | None = None
     id: str | None = None
-    at: datetime | None = None
+    observed_at: datetime | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, OpenAI shape
     tool_call_id: str | None = None                 # a tool result: the call it answers
 

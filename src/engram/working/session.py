@@ -58,7 +58,7 @@ def to_session_message(rec: MemoryRecord) -> SessionMessage:
     return SessionMessage(
         role=rec.role or "user",
         content=None if meta.get("content_is_rendered") else rec.text,
-        name=rec.name, id=rec.id, at=rec.observed_at or rec.created_at,
+        name=rec.name, id=rec.id, observed_at=rec.observed_at or rec.created_at,
         tool_calls=calls if isinstance(calls, list) else None,
         tool_call_id=meta.get("tool_call_id"))
 

@@ -62,7 +62,7 @@ def speaker(m: SessionMessage) -> str:
 def sentences_of(messages: Sequence[SessionMessage]) -> list[Sentence]:
     out = []
     for m in messages:
-        day = m.at.date() if m.at else None
+        day = m.observed_at.date() if m.observed_at else None
         for part in _SENTENCE.split(m.text):
             part = part.strip()
             if part:
@@ -236,6 +236,6 @@ def transcript(messages: Sequence[SessionMessage]) -> str:
     """Messages as dated lines for a prompt."""
     out = []
     for m in messages:
-        when = f"[{m.at.date().isoformat()}] " if m.at else ""
+        when = f"[{m.observed_at.date().isoformat()}] " if m.observed_at else ""
         out.append(f"{when}{speaker(m)} ({m.role}): {m.text}")
     return "\n".join(out)
