@@ -18,8 +18,8 @@ LLM_STRUCTURED = ("auto", "json_schema", "json_object_schema", "json_object", "p
 
 
 def default_db_path() -> Path:
-    env = os.environ.get("ENGRAM_DB")
-    return Path(env) if env else Path.home() / ".engram" / "engram.db"
+    """Where the embedded default lives when neither `path` nor ENGRAM_DB says otherwise."""
+    return Path.home() / ".engram" / "engram.db"
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Config:
     def from_env(cls, **overrides: Any) -> Config:
         env = os.environ
         values: dict[str, Any] = {}
+        if env.get("ENGRAM_DB"):
+            values["path"] = env["ENGRAM_DB"]
         if "ENGRAM_EMBEDDER" in env:
             values["embedder"] = env["ENGRAM_EMBEDDER"]
         if "ENGRAM_RETRIEVAL" in env:
