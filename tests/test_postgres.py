@@ -154,7 +154,7 @@ def tenants(request: pytest.FixtureRequest, pg_server: Any,
 def _fill_tenant(store: PostgresStore, scope: Scope) -> dict[str, Any]:
     fact = rec("Ana keeps her secret in Lisbon", scope=scope, kind=Kind.SEMANTIC)
     put(store, fact, vectors=[vec(1, 0)])
-    job = Job(id=new_id(), kind="add", scope=scope, payload={"x": 1}, status=JobStatus.QUEUED,
+    job = Job(id=new_id(), task="add", scope=scope, payload={"x": 1}, status=JobStatus.QUEUED,
               created_at=NOW, updated_at=NOW, run_at=NOW - timedelta(seconds=1), key="req-1")
     sess = Session(scope=Scope("u1", None, "s1"), policy={"name": "window"}, created_at=NOW,
                    updated_at=NOW, summary="Ana's secret")
@@ -383,7 +383,7 @@ def test_keys_of_two_dimensions_live_side_by_side(db: str) -> None:
 def test_concurrent_claims_from_two_stores_never_share_a_job(db: str) -> None:
     stores = [PostgresStore(db), PostgresStore(db)]
     try:
-        jobs = [Job(id=new_id(), kind="add", scope=Scope("u"), payload={}, status=JobStatus.QUEUED,
+        jobs = [Job(id=new_id(), task="add", scope=Scope("u"), payload={}, status=JobStatus.QUEUED,
                     created_at=NOW, updated_at=NOW, run_at=NOW) for _ in range(30)]
         with stores[0].write() as tx:
             for j in jobs:
@@ -551,7 +551,7 @@ def test_writes_of_a_tenant_take_turns_reads_and_claims_do_not_wait(db: str) -> 
     other_tenant = first.for_tenant("b")
     try:
         r, s = rec("first"), rec("other tenant")
-        enqueue = Job(id=new_id(), kind="add", scope=Scope("u"), payload={}, status=JobStatus.QUEUED,
+        enqueue = Job(id=new_id(), task="add", scope=Scope("u"), payload={}, status=JobStatus.QUEUED,
                       created_at=NOW, updated_at=NOW, run_at=NOW)
         with second.write() as tx:
             tx.put_job(enqueue)
