@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
@@ -12,7 +11,6 @@ from typing import Any
 import pytest
 
 from engram import (
-    AsyncMemory,
     Config,
     EngramError,
     EventType,
@@ -602,19 +600,6 @@ def test_errors_share_one_root() -> None:
         assert issubclass(exc, EngramError)
     assert issubclass(InvalidInput, ValueError) and issubclass(NotFound, KeyError)
     assert str(NotFound("no memory with id 'x'")) == "no memory with id 'x'"
-
-
-# -- the async face --------------------------------------------------------------------------
-
-def test_async_memory_has_every_public_method() -> None:
-    def public(cls: type) -> set[str]:
-        return {n for n, v in vars(cls).items() if not n.startswith("_") and callable(v)}
-
-    sync, aio = public(Memory), public(AsyncMemory)
-    assert sync  # the check means something
-    assert sync <= aio, f"missing on AsyncMemory: {sorted(sync - aio)}"
-    for name in sync:
-        assert inspect.iscoroutinefunction(getattr(AsyncMemory, name)), name
 
 
 def test_update_of_an_old_turn_reindexes_it_with_its_own_context(mem: Memory) -> None:

@@ -8,6 +8,7 @@
 
 import logging as _logging
 
+from .aio import AsyncMemory
 from .config import Config
 from .errors import (
     Conflict,
@@ -21,7 +22,7 @@ from .errors import (
     StoreError,
     StoreUnavailable,
 )
-from .memory import AsyncMemory, Memory
+from .memory import Memory
 from .model import (
     AddResult,
     Event,
