@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import types
+import typing
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -11,6 +14,7 @@ from typing import Any
 import pytest
 
 from engram import (
+    AsyncMemory,
     Config,
     EngramError,
     EventType,
@@ -600,6 +604,42 @@ def test_errors_share_one_root() -> None:
         assert issubclass(exc, EngramError)
     assert issubclass(InvalidInput, ValueError) and issubclass(NotFound, KeyError)
     assert str(NotFound("no memory with id 'x'")) == "no memory with id 'x'"
+
+
+# -- signatures ------------------------------------------------------------------------------
+
+def admits(annotation: Any, value: object) -> bool:
+    """Whether `value` is of the (resolved) type `annotation`, as far as isinstance can tell."""
+    if annotation is Any:
+        return True
+    if annotation is None or annotation is type(None):
+        return value is None
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return any(admits(a, value) for a in args)
+    origin = typing.get_origin(annotation) or annotation
+    if origin is float:  # int is acceptable where float is expected (PEP 484)
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    try:
+        return isinstance(value, origin)
+    except TypeError:  # a protocol: isinstance cannot tell
+        return False
+
+
+@pytest.mark.parametrize("cls", [Memory, AsyncMemory])
+def test_every_default_has_its_declared_type(cls: type) -> None:
+    """Signatures tell the truth: no `importance: float = UNSET`, no `llm: LLM | None = UNSET`."""
+    checked = 0
+    for name, fn in vars(cls).items():
+        if not inspect.isfunction(fn) or (name.startswith("_") and name != "__init__"):
+            continue
+        for p in inspect.signature(fn).parameters.values():
+            if p.default is inspect.Parameter.empty or p.annotation is inspect.Parameter.empty:
+                continue
+            annotation = eval(p.annotation, fn.__globals__)  # the module's names, as mypy reads them
+            assert admits(annotation, p.default), f"{cls.__name__}.{name}({p})"
+            checked += 1
+    assert checked > 50
 
 
 def test_update_of_an_old_turn_reindexes_it_with_its_own_context(mem: Memory) -> None:

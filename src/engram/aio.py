@@ -17,7 +17,7 @@ from typing import Any, ParamSpec, TypeVar
 from .config import Config
 from .context import Block, Context
 from .memory import Memory
-from .model import UNSET, AddResult, Event, Hit, Job, JobStatus, Kind, MemoryRecord, Page, Session
+from .model import UNSET, AddResult, Event, Hit, Job, JobStatus, Kind, MemoryRecord, Page, Session, Unset
 from .pipeline.retrieve import RetrievalConfig
 from .providers.embedders import Embedder
 from .providers.llms import LLM
@@ -39,7 +39,7 @@ class AsyncMemory:
     def __init__(self, path: str | Path | None = None, *, config: Config | None = None,
                  embedder: Embedder | None = None, store: Store | None = None,
                  retrieval: str | RetrievalConfig | None = None,
-                 tenant: str | None = None, llm: LLM | None = UNSET) -> None:
+                 tenant: str | None = None, llm: LLM | None | Unset = UNSET) -> None:
         self.sync = Memory(path, config=config, embedder=embedder, store=store,
                            retrieval=retrieval, tenant=tenant, llm=llm)
 
@@ -75,10 +75,10 @@ class AsyncMemory:
         return await _in_thread(self.sync.reflect, user_id=user_id, agent_id=agent_id,
                                 session_id=session_id, limit=limit)
 
-    async def update(self, id: str, *, text: str | None = UNSET,
-                     metadata: Mapping[str, Any] | None = UNSET,
-                     importance: float = UNSET, expires_at: datetime | None = UNSET,
-                     ) -> MemoryRecord:
+    async def update(self, id: str, *, text: str | Unset = UNSET,
+                     metadata: Mapping[str, Any] | None | Unset = UNSET,
+                     importance: float | Unset = UNSET,
+                     expires_at: datetime | None | Unset = UNSET) -> MemoryRecord:
         return await _in_thread(self.sync.update, id, text=text, metadata=metadata,
                                 importance=importance, expires_at=expires_at)
 

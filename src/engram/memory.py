@@ -31,6 +31,7 @@ from .model import (
     MemoryRecord,
     Page,
     Session,
+    Unset,
     utcnow,
 )
 from .pipeline import erase, learn, read, write
@@ -51,7 +52,7 @@ class Memory:
     def __init__(self, path: str | Path | None = None, *, config: Config | None = None,
                  embedder: Embedder | None = None, store: Store | None = None,
                  retrieval: str | RetrievalConfig | None = None,
-                 tenant: str | None = None, llm: LLM | None = UNSET) -> None:
+                 tenant: str | None = None, llm: LLM | None | Unset = UNSET) -> None:
         """The parts not given come from `config` (default: `Config.from_env(path=path)`);
         `llm=None` turns the LLM off even if one is configured. `tenant` isolates a service
         tenant's data (see `store.open_store`); libraries and single-user apps leave it None."""
@@ -149,21 +150,22 @@ class Memory:
         return learn.learn_from(self._engine, valid.scope(user_id, agent_id, session_id),
                                 extraction.REFLECT, valid.limit(limit))
 
-    def update(self, id: str, *, text: str | None = UNSET,
-               metadata: Mapping[str, Any] | None = UNSET,
-               importance: float = UNSET, expires_at: datetime | None = UNSET) -> MemoryRecord:
+    def update(self, id: str, *, text: str | Unset = UNSET,
+               metadata: Mapping[str, Any] | None | Unset = UNSET,
+               importance: float | Unset = UNSET,
+               expires_at: datetime | None | Unset = UNSET) -> MemoryRecord:
         """Change a memory in place (only what is given; `metadata=None` clears the
         metadata, `expires_at=None` the expiry). The UPDATE event keeps before and after."""
         before = self.get(id)
         changes: dict[str, Any] = {}
-        if text is not UNSET:
+        if not isinstance(text, Unset):
             changes["text"] = valid.text(text, self.config.max_text_chars)
             changes["content_hash"] = content_hash(changes["text"])
-        if metadata is not UNSET:
+        if not isinstance(metadata, Unset):
             changes["metadata"] = valid.metadata(metadata)
-        if importance is not UNSET:
+        if not isinstance(importance, Unset):
             changes["importance"] = valid.importance(importance)
-        if expires_at is not UNSET:
+        if not isinstance(expires_at, Unset):
             changes["expires_at"] = valid.moment(expires_at, "expires_at")
         if not changes:
             raise InvalidInput("update needs at least one of text, metadata, importance, expires_at")

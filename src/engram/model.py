@@ -219,12 +219,15 @@ def event(type: EventType, memory: MemoryRecord, at: datetime, *,
                  after=after.to_dict() if after else None, reason=reason)
 
 
-class _Unset:
+class Unset:
+    """The type of `UNSET`: an argument not given, as opposed to an explicit None (`update`'s
+    `expires_at=None` clears the expiry; leaving it out keeps it)."""
+
     def __repr__(self) -> str:
         return "UNSET"
 
 
-UNSET: Any = _Unset()  # "not given", as opposed to an explicit None
+UNSET = Unset()
 
 
 def utcnow() -> datetime:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config
-from ..model import UNSET
+from ..model import UNSET, Unset
 from ..providers.embedders import Embedder, get_embedder
 from ..providers.llms import LLM, get_llm
 from ..store import Store, open_store
@@ -28,13 +28,13 @@ class Engine:
 
     @classmethod
     def build(cls, config: Config, *, store: Store | None = None, embedder: Embedder | None = None,
-              llm: LLM | None = UNSET, retrieval: str | RetrievalConfig | None = None,
+              llm: LLM | None | Unset = UNSET, retrieval: str | RetrievalConfig | None = None,
               tenant: str | None = None) -> Engine:
         """The parts given, and the configured ones for the rest (`llm=None`: no LLM even if
         one is configured)."""
         preset = retrieval or config.retrieval
         return cls(store=store or open_store(config, tenant),
                    embedder=embedder or get_embedder(config.embedder),
-                   llm=get_llm(config) if llm is UNSET else llm,
+                   llm=get_llm(config) if isinstance(llm, Unset) else llm,
                    config=config,
                    retrieval=get_preset(preset) if isinstance(preset, str) else preset)
