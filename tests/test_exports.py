@@ -46,11 +46,11 @@ def test_errors_are_exported_under_one_root() -> None:
 
 
 def test_every_error_a_caller_can_act_on_is_exported() -> None:
-    """The LLM errors are caught by callers (an endpoint down, a key refused): importable from
-    `engram`, like every error of `engram.errors`."""
+    """The LLM errors and `InProgress` are caught by callers: importable from `engram`."""
     from engram import errors
 
     defined = {name for name, value in vars(errors).items()
                if inspect.isclass(value) and issubclass(value, Exception)}
     assert defined <= set(engram.__all__)
-    assert {"LLMOutputError", "LLMRejected", "LLMTimeout", "LLMUnavailable"} <= set(engram.__all__)
+    assert {"InProgress", "LLMOutputError", "LLMRejected", "LLMTimeout",
+            "LLMUnavailable"} <= set(engram.__all__)

@@ -13,6 +13,7 @@ from .config import Config
 from .errors import (
     Conflict,
     EngramError,
+    InProgress,
     InvalidFilter,
     InvalidImport,
     InvalidInput,
@@ -58,6 +59,7 @@ __all__ = [
     "Event",
     "EventType",
     "Hit",
+    "InProgress",
     "InvalidFilter",
     "InvalidImport",
     "InvalidInput",

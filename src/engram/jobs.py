@@ -15,11 +15,11 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from . import validate as valid
-from .errors import Conflict, EngramError, InvalidInput, NotFound
+from .errors import Conflict, EngramError, InProgress, InvalidInput, NotFound
 from .model import AddResult, Job, JobStatus, Kind, Scope, new_id, utcnow
 from .pipeline import extract as extraction
 from .pipeline import learn, write
@@ -29,6 +29,7 @@ from .pipeline.write import AddRequest
 log = logging.getLogger("engram.memory")
 
 JOB_LEASE_S = 300  # a claimed job whose worker died is run again after this
+RETRY_AFTER_S = 1.0  # the least a caller is asked to wait before asking again
 
 
 def fingerprint(task: str, payload: Mapping[str, Any]) -> str:
@@ -51,8 +52,8 @@ class Queue:
 
     def add(self, req: AddRequest, key: str | None, background: bool) -> AddResult:
         """Run an add now (or queue it, `background`), at most once per idempotency `key`:
-        a retry gets the first result; another request under the key, or a retry while the
-        first is still queued or running, is a `Conflict`."""
+        a retry gets the first result; another request under the key is a `Conflict`; a retry
+        while the first is still queued or running is `InProgress`."""
         if background:
             return AddResult(memories=[], events=[],
                              job=self.enqueue("add", req.scope, req.payload(), key))
@@ -116,12 +117,13 @@ class Queue:
             raise Conflict(f"idempotency key {key!r} was used for a different request")
         if job.status is JobStatus.QUEUED and self.engine.config.worker != "thread":
             # no worker here to wait for: never block on `engram worker` processes
-            raise Conflict(f"the request with idempotency key {key!r} is queued; retry later")
+            raise InProgress(f"the request with idempotency key {key!r} is queued; retry later",
+                             retry_after=retry_after(job, utcnow()))
         if job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
             job = self.wait(job.id, timeout=JOB_LEASE_S)
             if job.status in (JobStatus.QUEUED, JobStatus.RUNNING):
-                raise Conflict(f"the request with idempotency key {key!r} is still running; "
-                               "retry later")
+                raise InProgress(f"the request with idempotency key {key!r} is still running; "
+                                 "retry later", retry_after=retry_after(job, utcnow()))
         if job.status is not JobStatus.DONE or job.result is None:
             return None, job
         return self._result(job.result), None
@@ -245,3 +247,11 @@ class Queue:
     def join(self, timeout: float | None) -> None:
         if self._worker is not None:
             self._worker.join(timeout=timeout)
+
+
+def retry_after(job: Job, now: datetime) -> float:
+    """Seconds until a queued or running job may be done: until its lease ends (running) or
+    its run time comes (queued later), at least `RETRY_AFTER_S`."""
+    until = job.lease_until if job.status is JobStatus.RUNNING else job.run_at
+    left = (until - now).total_seconds() if until is not None else 0.0
+    return max(RETRY_AFTER_S, round(left, 3))

@@ -121,8 +121,9 @@ class Memory:
 
         `background=True` validates, queues a durable job and returns at once (`result.job`);
         `wait(job.id)` gives the outcome. The same `idempotency_key` never does the work twice:
-        a retry returns the first result; a different request under the same key, or a retry
-        while the first request is still queued or running, is a `Conflict`.
+        a retry returns the first result, a different request under the same key is a
+        `Conflict`, and a retry while the first request is still queued or running is
+        `InProgress` (with `retry_after`).
         """
         req = write.AddRequest.build(
             messages, valid.scope(user_id, agent_id, session_id), metadata=metadata,
