@@ -293,6 +293,45 @@ def test_history_is_in_order(mem: Memory) -> None:
     assert hist[1].after["text"] == "version two" and hist[2].before["text"] == "version two"
 
 
+def test_reads_and_writes_by_id_take_a_scope(mem: Memory, snapshot) -> None:
+    """Outside the given scope a memory does not exist: NotFound, exactly as an unknown id,
+    and nothing is written."""
+    rec = mem.add("Ana's locker is 12", user_id="ana", agent_id="bot", session_id="s").memories[0]
+    wrong: list[dict[str, str]] = [{"user_id": "bob"}, {"agent_id": "other"},
+                                   {"session_id": "t"}, {"user_id": "ana", "session_id": "t"}]
+    before = state(mem, snapshot)
+    ops: list[Callable[..., object]] = [
+        mem.get, lambda i, **s: mem.update(i, text="changed", **s), mem.delete, mem.history]
+    for scope in wrong:
+        for op in ops:
+            with pytest.raises(NotFound) as info:
+                op(rec.id, **scope)
+            assert str(info.value) == f"no memory with id {rec.id!r}"
+    assert state(mem, snapshot) == before
+    for scope in ({}, {"user_id": "ana"}, {"agent_id": "bot", "session_id": "s"},
+                  {"user_id": "ana", "agent_id": "bot", "session_id": "s"}):
+        assert mem.get(rec.id, **scope) == rec
+    assert mem.update(rec.id, importance=0.9, user_id="ana").importance == 0.9
+    mem.delete(rec.id, user_id="ana", session_id="s")
+    assert [e.type for e in mem.history(rec.id, user_id="ana")] == [
+        EventType.ADD, EventType.UPDATE, EventType.DELETE]
+    mem.erase(id=rec.id)  # the ERASE event keeps the memory's scope: history stays scoped
+    assert [e.type for e in mem.history(rec.id, agent_id="bot")] == [EventType.ERASE]
+    with pytest.raises(NotFound):
+        mem.history(rec.id, user_id="bob")
+
+
+def test_sessions_can_be_asked_for_by_id(mem: Memory) -> None:
+    mem.session(user_id="ana", session_id="trip").add("hello")
+    mem.session(user_id="bob", session_id="trip").add("hi")
+    mem.session(user_id="ana", session_id="work").add("hey")
+    assert [s.scope.user_id for s in mem.sessions(session_id="trip")] == ["bob", "ana"]
+    assert bool(mem.sessions(user_id="ana", session_id="trip", limit=1))
+    assert not mem.sessions(user_id="ana", session_id="nope", limit=1)
+    with pytest.raises(InvalidInput):
+        mem.sessions(session_id="")
+
+
 # -- reads -----------------------------------------------------------------------------------
 
 def test_as_of(mem: Memory) -> None:

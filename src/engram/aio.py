@@ -77,21 +77,27 @@ class AsyncMemory:
 
     async def update(self, id: str, *, text: str | Unset = UNSET,
                      metadata: Mapping[str, Any] | None | Unset = UNSET,
-                     importance: float | Unset = UNSET,
-                     expires_at: datetime | None | Unset = UNSET) -> MemoryRecord:
+                     importance: float | Unset = UNSET, expires_at: datetime | None | Unset = UNSET,
+                     user_id: str | None = None, agent_id: str | None = None,
+                     session_id: str | None = None) -> MemoryRecord:
         return await _in_thread(self.sync.update, id, text=text, metadata=metadata,
-                                importance=importance, expires_at=expires_at)
+                                importance=importance, expires_at=expires_at, user_id=user_id,
+                                agent_id=agent_id, session_id=session_id)
 
-    async def delete(self, id: str) -> None:
-        await _in_thread(self.sync.delete, id)
+    async def delete(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,
+                     session_id: str | None = None) -> None:
+        await _in_thread(self.sync.delete, id, user_id=user_id, agent_id=agent_id,
+                         session_id=session_id)
 
     async def erase(self, *, id: str | None = None, user_id: str | None = None,
                     agent_id: str | None = None, session_id: str | None = None) -> int:
         return await _in_thread(self.sync.erase, id=id, user_id=user_id, agent_id=agent_id,
                                 session_id=session_id)
 
-    async def get(self, id: str) -> MemoryRecord:
-        return await _in_thread(self.sync.get, id)
+    async def get(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,
+                  session_id: str | None = None) -> MemoryRecord:
+        return await _in_thread(self.sync.get, id, user_id=user_id, agent_id=agent_id,
+                                session_id=session_id)
 
     async def list(self, *, user_id: str | None = None, agent_id: str | None = None,
                    session_id: str | None = None, filters: Mapping[str, Any] | None = None,
@@ -109,8 +115,10 @@ class AsyncMemory:
                                 session_id=session_id, filters=filters, limit=limit, kinds=kinds,
                                 as_of=as_of)
 
-    async def history(self, id: str) -> builtins.list[Event]:
-        return await _in_thread(self.sync.history, id)
+    async def history(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,
+                      session_id: str | None = None) -> builtins.list[Event]:
+        return await _in_thread(self.sync.history, id, user_id=user_id, agent_id=agent_id,
+                                session_id=session_id)
 
     async def stats(self, *, user_id: str | None = None, agent_id: str | None = None,
                     session_id: str | None = None) -> Stats:
@@ -142,9 +150,9 @@ class AsyncMemory:
             policy=policy, metadata=metadata))
 
     async def sessions(self, *, user_id: str | None = None, agent_id: str | None = None,
-                       limit: int = 50) -> builtins.list[Session]:
+                       session_id: str | None = None, limit: int = 50) -> builtins.list[Session]:
         return await _in_thread(self.sync.sessions, user_id=user_id, agent_id=agent_id,
-                                limit=limit)
+                                session_id=session_id, limit=limit)
 
     async def context(self, query_or_messages: str | Sequence[Mapping[str, Any]], *,
                       user_id: str | None = None, agent_id: str | None = None,

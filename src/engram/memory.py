@@ -153,11 +153,12 @@ class Memory:
 
     def update(self, id: str, *, text: str | Unset = UNSET,
                metadata: Mapping[str, Any] | None | Unset = UNSET,
-               importance: float | Unset = UNSET,
-               expires_at: datetime | None | Unset = UNSET) -> MemoryRecord:
-        """Change a memory in place (only what is given; `metadata=None` clears the
-        metadata, `expires_at=None` the expiry). The UPDATE event keeps before and after."""
-        before = self.get(id)
+               importance: float | Unset = UNSET, expires_at: datetime | None | Unset = UNSET,
+               user_id: str | None = None, agent_id: str | None = None,
+               session_id: str | None = None) -> MemoryRecord:
+        """Change a memory of the scope in place (only what is given; `metadata=None` clears
+        the metadata, `expires_at=None` the expiry). The UPDATE event keeps before and after."""
+        before = self.get(id, user_id=user_id, agent_id=agent_id, session_id=session_id)
         changes: dict[str, Any] = {}
         if not isinstance(text, Unset):
             changes["text"] = valid.text(text, self.config.max_text_chars)
@@ -172,9 +173,11 @@ class Memory:
             raise InvalidInput("update needs at least one of text, metadata, importance, expires_at")
         return write.update(self._engine, before, changes)
 
-    def delete(self, id: str) -> None:
-        """Soft delete: hidden from every read, kept in the history."""
-        write.delete(self._engine, self.get(id))
+    def delete(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,
+               session_id: str | None = None) -> None:
+        """Soft delete of a memory of the scope: hidden from every read, kept in the history."""
+        write.delete(self._engine, self.get(id, user_id=user_id, agent_id=agent_id,
+                                            session_id=session_id))
 
     def erase(self, *, id: str | None = None, user_id: str | None = None,
               agent_id: str | None = None, session_id: str | None = None) -> int:
@@ -194,9 +197,11 @@ class Memory:
 
     # -- read --------------------------------------------------------------------------------
 
-    def get(self, id: str) -> MemoryRecord:
-        """A memory by id (superseded ones too); NotFound if unknown, deleted or expired."""
-        return read.get(self.store, id)
+    def get(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,
+            session_id: str | None = None) -> MemoryRecord:
+        """A memory by id (superseded ones too); NotFound if unknown, deleted, expired or
+        outside the given scope."""
+        return read.get(self.store, id, valid.scope(user_id, agent_id, session_id))
 
     def list(self, *, user_id: str | None = None, agent_id: str | None = None,
              session_id: str | None = None, filters: Mapping[str, Any] | None = None,
@@ -215,9 +220,11 @@ class Memory:
         q = read.query(valid.scope(user_id, agent_id, session_id), filters, kinds, as_of)
         return read.search(self._engine, text, q, valid.limit(limit))
 
-    def history(self, id: str) -> builtins.list[Event]:
-        """Every event of a memory, oldest first (also for deleted and erased ids)."""
-        return read.history(self.store, id)
+    def history(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,
+                session_id: str | None = None) -> builtins.list[Event]:
+        """Every event of a memory of the scope, oldest first (also for deleted and erased
+        ids)."""
+        return read.history(self.store, id, valid.scope(user_id, agent_id, session_id))
 
     def stats(self, *, user_id: str | None = None, agent_id: str | None = None,
               session_id: str | None = None) -> Stats:
@@ -271,9 +278,11 @@ class Memory:
         return handle
 
     def sessions(self, *, user_id: str | None = None, agent_id: str | None = None,
-                 limit: int = 50) -> builtins.list[Session]:
-        """Stored sessions of a scope, most recently updated first."""
-        return self.store.sessions(valid.scope(user_id, agent_id, None), limit=valid.limit(limit))
+                 session_id: str | None = None, limit: int = 50) -> builtins.list[Session]:
+        """Stored sessions of a scope, most recently updated first. Whether session X exists:
+        `bool(mem.sessions(user_id=..., session_id=X, limit=1))`."""
+        return self.store.sessions(valid.scope(user_id, agent_id, session_id),
+                                   limit=valid.limit(limit))
 
     def context(self, query_or_messages: str | Sequence[Mapping[str, Any]], *,
                 user_id: str | None = None, agent_id: str | None = None,

@@ -105,18 +105,22 @@ def visible(store: Store, id: str, now: datetime) -> MemoryRecord | None:
     return rec
 
 
-def get(store: Store, id: str) -> MemoryRecord:
-    """A visible memory; NotFound otherwise."""
+def get(store: Store, id: str, within: Scope) -> MemoryRecord:
+    """A visible memory of the scope `within` (None fields match anything); NotFound
+    otherwise, the same for an unknown id as for another scope's."""
     rec = visible(store, valid.ident(id), utcnow())
-    if rec is None:
+    if rec is None or not valid.in_scope(rec.scope, within):
         raise NotFound(f"no memory with id {id!r}")
     return rec
 
 
-def history(store: Store, id: str) -> list[Event]:
-    """Every event of a memory, oldest first (also of a deleted or erased one)."""
+def history(store: Store, id: str, within: Scope) -> list[Event]:
+    """Every event of a memory, oldest first (also of a deleted or erased one: its ERASE
+    event carries its scope)."""
     valid.ident(id)
     events = store.events(id)
-    if not events and not store.get([id]):
+    rec = store.get([id]).get(id)
+    owner = rec.scope if rec is not None else events[0].scope if events else None
+    if owner is None or not valid.in_scope(owner, within):
         raise NotFound(f"no memory with id {id!r}")
     return events
