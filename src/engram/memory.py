@@ -183,7 +183,7 @@ class Memory:
               agent_id: str | None = None, session_id: str | None = None) -> int:
         """Hard delete of one memory (of the scope) or of a whole scope: rows, vectors, index,
         history text, and everything derived from them (extracted facts, summaries, session
-        rows).
+        rows, job payloads).
 
         Returns how many memories were erased. The freed bytes are overwritten (secure_delete)
         and checkpointed out of the write-ahead log.

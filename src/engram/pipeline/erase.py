@@ -1,7 +1,7 @@
-"""Erasure, the hard delete: of a memory or a scope, with everything derived from it.
+"""Erasure, the one hard delete: of a memory, a scope or a session, with everything derived.
 
 Rows, keys, lexical index and events go; so do the memories derived from them (facts, session
-summaries: their provenance names the erased ids), session rows and jobs of an erased scope,
+summaries: their provenance names the erased ids), session rows, job payloads holding the text,
 and the copies of an erased turn in its neighbours' windows. The freed bytes are reclaimed.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from .. import validate as valid
 from ..errors import NotFound
-from ..model import Event, EventType, MemoryRecord, Scope, new_id, utcnow
+from ..model import Event, EventType, Job, JobStatus, MemoryRecord, Scope, new_id, utcnow
 from ..store import Store, Tx
 from .engine import Engine
 from .index import Keys, followers
@@ -20,6 +20,7 @@ from .index import Keys, followers
 log = logging.getLogger("engram.memory")
 
 PAGE = 500
+JOBS_SCANNED = 100_000  # jobs of a scope looked at for payloads to drop
 
 
 def memory(engine: Engine, id: str, within: Scope) -> int:
@@ -39,8 +40,20 @@ def scope(engine: Engine, scope: Scope) -> int:
     return _erase(engine, engine.store.ids(scope, include_deleted=True), scope, [])
 
 
+def session(engine: Engine, scope: Scope) -> int:
+    """Erase one session: the memories of exactly its scope (None is "none" here: the session
+    of ana alone is not ana's session with an agent), its row and its jobs. NotFound when
+    there is no such session."""
+    store = engine.store
+    ids = store.ids(scope, include_deleted=True)
+    mine = [r.id for r in _records(store, ids).values() if r.scope == scope]
+    if not mine and store.session(scope) is None:
+        raise NotFound(f"no session {scope.session_id!r} in this scope")
+    return _erase(engine, mine, scope, [], exact=True)
+
+
 def _erase(engine: Engine, ids: list[str], scope: Scope, moved: list[tuple[MemoryRecord, Keys]],
-           *, single: str | None = None) -> int:
+           *, single: str | None = None, exact: bool = False) -> int:
     store = engine.store
     # What was derived from the erased memories goes too: facts extracted from them and
     # summaries of them (their provenance names the erased ids), wherever they are stored.
@@ -52,12 +65,18 @@ def _erase(engine: Engine, ids: list[str], scope: Scope, moved: list[tuple[Memor
         tx.erase(ids)
         for other, (own, lexical) in moved:
             tx.update(other, own, lexical)
-        if single is None:
+        if single is not None:
+            if scope.session_id is not None:
+                reset_summaries(store, tx, scope)  # rebuilt from the messages that remain
+            _drop_payloads(store, tx, scope, gone, naming=True)
+        elif exact:
+            tx.delete_session(scope)
+            _drop_payloads(store, tx, scope, gone, naming=False)
+        else:
             tx.erase_scope(scope)  # sessions (their summaries) and jobs (their payloads)
-        elif scope.session_id is not None:
-            reset_summaries(store, tx, scope)  # rebuilt from the messages that remain
+        reason = f"session deleted: {len(ids)} memories" if exact else f"erased {len(ids)} memories"
         tx.append(Event(id=new_id(), memory_id=single, type=EventType.ERASE, at=now, scope=scope,
-                        reason=f"erased {len(ids)} memories"))
+                        reason=reason))
     store.reclaim()
     log.info("erased %d memories (%s)", len(ids), f"id {single}" if single else scope)
     return len(ids)
@@ -94,6 +113,27 @@ def reset_summaries(store: Store, tx: Tx, scope: Scope) -> bool:
     state = {k: v for k, v in row.state.items() if k not in ("levels", "folded", "mode")}
     tx.put_session(replace(row, summary="", summary_upto=None, state=state))
     return True
+
+
+def _drop_payloads(store: Store, tx: Tx, scope: Scope, erased: set[str], *, naming: bool) -> None:
+    """Jobs keep their request (an add's messages) as payload. Drop the payload of each job
+    of exactly `scope` (`naming=False`), or of the jobs whose result names an erased memory.
+    A job of an erased session also gives up its idempotency key and never runs: its work is
+    gone with the rest of the session."""
+    for job in store.jobs(scope, limit=JOBS_SCANNED):
+        if naming:
+            if not erased.intersection((job.result or {}).get("memories", [])):
+                continue
+            tx.put_job(replace(job, payload={}, updated_at=utcnow()))
+        elif job.scope == scope:
+            tx.put_job(_retired(job))
+
+
+def _retired(job: Job) -> Job:
+    status = job.status if job.status in (JobStatus.DONE, JobStatus.FAILED) else JobStatus.FAILED
+    return replace(job, payload={}, result=None, key=None, fingerprint=None, status=status,
+                   error="erased with its session" if status is JobStatus.FAILED else job.error,
+                   lease_until=None, updated_at=utcnow())
 
 
 def _records(store: Store, ids: list[str]) -> dict[str, MemoryRecord]:

@@ -15,11 +15,11 @@ from datetime import datetime
 from typing import Any
 
 from .. import validate as valid
-from ..errors import InvalidInput, NotFound, ProviderError
+from ..errors import InvalidInput, ProviderError
 from ..jobs import Queue
-from ..model import Event, EventType, Kind, MemoryRecord, Scope, Session, event, new_id, utcnow
+from ..model import EventType, Kind, MemoryRecord, Scope, Session, event, new_id, utcnow
+from ..pipeline import erase, learn
 from ..pipeline import extract as extraction
-from ..pipeline import learn
 from ..pipeline.index import index
 from ..pipeline.learn import SUMMARY_MARK
 from ..pipeline.text import content_hash
@@ -382,24 +382,11 @@ class SessionHandle:
             log.warning("session %s: extraction failed, the episodes are kept: %s", self.id, exc)
 
     def delete(self) -> int:
-        """Erase the session: its messages, its summaries and its row. Returns how many
-        memories were erased. Facts extracted from it into the user's scope stay."""
+        """Erase the session: its messages, its summaries, its row, its jobs and the memories
+        derived from it (facts extracted into the user's scope too). Returns how many memories
+        were erased; NotFound if the session does not exist."""
         self.wait()
-        store = self._engine.store
-        ids = store.ids(self.scope, include_deleted=True)
-        records = store.get(ids)
-        mine = [i for i in ids if i in records and records[i].scope == self.scope]
-        if not mine and store.session(self.scope) is None:
-            raise NotFound(f"no session {self.id!r} in this scope")
-        now = utcnow()
-        with store.write() as tx:
-            tx.erase(mine)
-            tx.delete_session(self.scope)
-            tx.append(Event(id=new_id(), memory_id=None, type=EventType.ERASE, at=now,
-                            scope=self.scope, reason=f"session deleted: {len(mine)} memories"))
-        store.reclaim()
-        log.info("session %s deleted (%d memories)", self.id, len(mine))
-        return len(mine)
+        return erase.session(self._engine, self.scope)
 
 
 def open_session(queue: Queue, *, session_id: str | None, user_id: str | None,
