@@ -713,19 +713,19 @@ def test_store_state_machine(store_factory: Callable[[Path], Store]) -> None:
 
 def test_sqlite_upgrades_a_database_made_by_an_older_version(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engram.store import sqlite
+    from engram.store.sqlite import SQLiteStore, schema
 
     path = tmp_path / "old.db"
     with monkeypatch.context() as m:
-        m.setattr(sqlite, "MIGRATIONS", sqlite.MIGRATIONS[:1])
-        old = sqlite.SQLiteStore(path)
+        m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+        old = SQLiteStore(path)
         a, b = rec("apple"), rec("river")
         put(old, a, b, vectors=[vec(1, 0), vec(0, 1)])
-        assert old.migrations() == [sqlite.MIGRATIONS[0][0]]
+        assert old.migrations() == [schema.MIGRATIONS[0][0]]
         old.close()
-    new = sqlite.SQLiteStore(path)
+    new = SQLiteStore(path)
     try:
-        assert new.migrations() == [name for name, _ in sqlite.MIGRATIONS]
+        assert new.migrations() == [name for name, _ in schema.MIGRATIONS]
         assert new.get([a.id, b.id]) == {a.id: a, b.id: b}
         assert dict(new.dense(q(), vec(1, 0), 2)) == {a.id: pytest.approx(1.0, abs=1e-5),
                                                       b.id: pytest.approx(0.0, abs=1e-5)}

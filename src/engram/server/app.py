@@ -24,7 +24,7 @@ from .. import __version__
 from ..config import Config
 from ..errors import EngramError
 from ..providers.embedders import Embedder, get_embedder
-from ..store.keys import KeyStore, open_key_store
+from .keys import KeyStore, open_key_store
 from .auth import Authenticator
 from .errors import ServiceError, error_response, from_engram_error, validation_message
 from .limits import BodyLimitMiddleware, ServiceLimits

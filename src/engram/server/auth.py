@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..store.keys import KeyStore, Role
+from .keys import KeyStore, Role
 from .errors import ServiceError
 
 MAX_KEY_CHARS = 200
