@@ -22,7 +22,7 @@ from engram import Config, EventType, InvalidInput, Memory, NotFound
 from engram.errors import StoreBusy, StoreError, StoreUnavailable
 from engram.filters import parse_filters
 from engram.model import Job, JobStatus, Kind, Scope, Session, new_id
-from engram.store import Key, Lexical
+from engram.store import Key, Lexical, Stores
 from engram.store.postgres import PostgresStore, schema, sql
 from engram.store.records import compile_query
 
@@ -218,6 +218,36 @@ def test_tenant_stores_share_one_pool_until_the_last_closes(db: str) -> None:
         n = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
                          "AND pid <> pg_backend_pid()").fetchone()
     assert n == (0,)
+
+
+def test_config_tunes_the_store_and_opened_tenants_share_one_pool(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (("ENGRAM_PG_POOL_SIZE", "3"), ("ENGRAM_PG_POOL_WAIT", "0.5"),
+                        ("ENGRAM_PG_STATEMENT_TIMEOUT", "9"), ("ENGRAM_PG_CONNECT_TIMEOUT", "3"),
+                        ("ENGRAM_PG_EXACT_LIMIT", "7"), ("ENGRAM_PG_RECLAIM", "full")):
+        monkeypatch.setenv(name, value)
+    config = Config.from_env(database_url=db)
+    assert (config.pg_pool_size, config.pg_pool_wait_s, config.pg_statement_timeout_s,
+            config.pg_connect_timeout_s, config.pg_exact_limit, config.pg_reclaim) == (
+        3, 0.5, 9.0, 3.0, 7, "full")
+    stores = Stores(config)
+    a, b = stores.open("a"), stores.open("b")
+    assert isinstance(a, PostgresStore) and isinstance(b, PostgresStore)
+    assert a._pool is b._pool and a._pool._max == 3 and a._pool._wait_s == 0.5
+    assert (a.tenant, b.tenant, a.statement_timeout_s, a.exact_limit, a.reclaim_mode) == (
+        "a", "b", 9.0, 7, "full")
+    put(a, rec("only a's"))
+    assert [r.text for r in a.select(q())] == ["only a's"] and b.select(q()) == []
+    a.close()
+    b.close()
+    stores.close()
+    with psycopg.connect(db.replace("engram@", "postgres@")) as conn:  # all connections returned
+        n = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                         "AND pid <> pg_backend_pid()").fetchone()
+    assert n == (0,)
+    monkeypatch.setenv("ENGRAM_PG_RECLAIM", "shred")
+    with pytest.raises(InvalidInput, match="pg_reclaim"):
+        Config.from_env(database_url=db)
 
 
 def test_row_level_security_is_a_second_wall(pg_server: Any, db: str) -> None:

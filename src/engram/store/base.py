@@ -75,7 +75,7 @@ class Select:
     after_id: str | None = None
     before: str | None = None
     after: str | None = None
-    order: Order = "id"
+    order: Order | None = "id"  # None: any order (a lookup by ids)
     limit: int | None = None
 
     @classmethod
@@ -326,7 +326,8 @@ class StoreBase(ABC):
     def get(self, ids: Sequence[str]) -> dict[str, MemoryRecord]:
         if not ids:
             return {}
-        return {r.id: r for r in self.read_memories(Select(ids=tuple(ids), seen=Seen.ALL))}
+        found = self.read_memories(Select(ids=tuple(ids), seen=Seen.ALL, order=None))
+        return {r.id: r for r in found}
 
     def select(self, query: Query, *, after_id: str | None = None,
                limit: int = 50) -> list[MemoryRecord]:

@@ -186,10 +186,11 @@ def compile_query(d: Dialect, query: Query, tenant: str) -> Stmt:
 def select_memories(d: Dialect, sel: Select, tenant: str,
                     names: Sequence[str] = MEMORY_COLUMNS) -> Stmt:
     w = where_memories(d, sel, tenant)
-    order = {"id": "m.id",
-             "newest": f"m.valid_from DESC{d.nulls_last}, m.{d.seq} DESC",
-             "oldest": f"m.valid_from, m.{d.seq}"}[sel.order]
-    sql = f"SELECT {columns('m', names)} FROM memories m WHERE {w.sql} ORDER BY {order}"
+    sql = f"SELECT {columns('m', names)} FROM memories m WHERE {w.sql}"
+    if sel.order is not None:
+        sql += " ORDER BY " + {"id": "m.id",
+                               "newest": f"m.valid_from DESC{d.nulls_last}, m.{d.seq} DESC",
+                               "oldest": f"m.valid_from, m.{d.seq}"}[sel.order]
     if sel.limit is not None:
         return f"{sql} LIMIT {d.mark}", [*w.params, sel.limit]
     return sql, w.params

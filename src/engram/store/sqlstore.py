@@ -51,13 +51,13 @@ class SQLStore(StoreBase):
     def candidates(self, ids: Sequence[str]) -> dict[str, Candidate]:
         out: dict[str, Candidate] = {}
         if ids:
-            rows = self._rows(Select(ids=tuple(ids), seen=Seen.ALL), r.CANDIDATE_COLUMNS)
+            rows = self._rows(Select(ids=tuple(ids), seen=Seen.ALL, order=None), r.CANDIDATE_COLUMNS)
             r.read_candidates(self.dialect, rows, out)
         return out
 
     def _rows(self, sel: Select, names: Sequence[str]) -> list[Any]:
-        """The rows of `sel`; a long list of ids is read a chunk at a time (in id order, as the
-        chunks are; `get` and `candidates` key by id anyway)."""
+        """The rows of `sel`; a long list of ids is read a chunk at a time (the rows come in
+        `sel`'s order within each chunk, the chunks in id order)."""
         d = self.dialect
         if sel.ids is None or len(sel.ids) <= d.chunk:
             return self._read(*r.select_memories(d, sel, self.tenant, names))

@@ -50,7 +50,7 @@ def _read_array(value: str) -> list[str]:
 
 
 DIALECT = r.Dialect(
-    name="sqlite", mark="?", tenant=False, seq="rid", arrays=False, chunk=500,
+    name="sqlite", mark="?", tenant=False, seq="rid", arrays=False, chunk=900,
     nulls_last="",  # NULL sorts first, so last in a DESC order
     time=lambda v: v.timestamp(), read_time=lambda v: datetime.fromtimestamp(v, UTC),
     json=_dumps, jsonb=_dumps, read_json=json.loads, array=lambda v: _dumps(list(v)),

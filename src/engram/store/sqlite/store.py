@@ -125,7 +125,7 @@ class SQLiteStore(SQLStore):
             return slab, exact
 
     def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
-        return set(self.read_ids(Select.of(query, ids=tuple(ids)))) if ids else set()
+        return set(self.read_ids(Select.of(query, ids=tuple(ids), order=None))) if ids else set()
 
     def dense(self, query: Query, vector: np.ndarray, k: int,
               key: str = "text") -> list[tuple[str, float]]:
