@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
+from .. import Memory
 from ..config import Config
 from ..errors import StoreUnavailable
-from ..memory import Memory
-from ..providers.embedders import Embedder
 from ..store import Stores
+
+if TYPE_CHECKING:
+    from ..providers.embedders import Embedder
 
 
 class Tenants:

@@ -339,7 +339,7 @@ class StoreBase(ABC):
     def find_hash(self, scope: Scope, kind: Kind, content_hash: str,
                   now: datetime) -> MemoryRecord | None:
         found = self.read_memories(Select.of(Query(scope, now, kinds=(kind,)), exact=True,
-                                             content_hash=content_hash, limit=1))
+                                             content_hash=content_hash, order=None, limit=1))
         return found[0] if found else None
 
     def recent_episodes(self, scope: Scope, n: int) -> list[MemoryRecord]:
@@ -356,7 +356,8 @@ class StoreBase(ABC):
         return before[::-1], after
 
     def eviction_pool(self, scope: Scope, now: datetime) -> list[MemoryRecord]:
-        return self.read_memories(Select(scope=scope, exact=True, seen=Seen.UNEXPIRED, now=now))
+        return self.read_memories(Select(scope=scope, exact=True, seen=Seen.UNEXPIRED, now=now,
+                                         order=None))
 
     def iter_export(self, scope: Scope) -> Iterator[tuple[MemoryRecord, list[Event]]]:
         ids = self.ids(scope, include_deleted=True)

@@ -11,7 +11,8 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from functools import lru_cache
+from typing import Any, Literal, NamedTuple
 
 from ..filters import Condition
 from ..model import Event, EventType, Job, JobStatus, Kind, MemoryRecord, Scope, Session
@@ -42,7 +43,8 @@ def scope_key(scope: Scope) -> str:
     return json.dumps([scope.user_id, scope.agent_id, scope.session_id])
 
 
-def columns(alias: str, names: Iterable[str]) -> str:
+@lru_cache(maxsize=64)
+def columns(alias: str, names: tuple[str, ...]) -> str:
     return ", ".join(f"{alias}.{c}" for c in names)
 
 
@@ -116,8 +118,7 @@ class Where:
 
 # -- the visibility rule ------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Bound:
+class Bound(NamedTuple):
     """`column IS NULL OR column <op> at`: one time bound of the visibility rule."""
 
     column: Literal["expires_at", "valid_from", "valid_to"]
@@ -184,7 +185,7 @@ def compile_query(d: Dialect, query: Query, tenant: str) -> Stmt:
 
 
 def select_memories(d: Dialect, sel: Select, tenant: str,
-                    names: Sequence[str] = MEMORY_COLUMNS) -> Stmt:
+                    names: tuple[str, ...] = MEMORY_COLUMNS) -> Stmt:
     w = where_memories(d, sel, tenant)
     sql = f"SELECT {columns('m', names)} FROM memories m WHERE {w.sql}"
     if sel.order is not None:

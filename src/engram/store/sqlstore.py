@@ -55,7 +55,7 @@ class SQLStore(StoreBase):
             r.read_candidates(self.dialect, rows, out)
         return out
 
-    def _rows(self, sel: Select, names: Sequence[str]) -> list[Any]:
+    def _rows(self, sel: Select, names: tuple[str, ...]) -> list[Any]:
         """The rows of `sel`; a long list of ids is read a chunk at a time (the rows come in
         `sel`'s order within each chunk, the chunks in id order)."""
         d = self.dialect
