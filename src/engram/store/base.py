@@ -5,9 +5,12 @@ Reads take a value (`Query`, `Select`) that each backend compiles to its own SQL
 inside `write()`, one transaction that either commits whole or leaves nothing. Everything else
 (consolidation, ranking, forgetting) lives above the store.
 
-A backend implements (see `StoreBase`): `write`, `close`, `migrations`, `read_memories`,
+A backend implements 15 primitives (`write`, `close`, `migrations`, `read_memories`,
 `read_ids`, `candidates`, `dense`, `lexical`, `events`, `read_jobs`, `claim_job`,
-`read_sessions`, `stats`, `touch`, `reclaim`; its `Tx` implements the nine writes of `Tx`.
+`read_sessions`, `stats`, `touch`, `reclaim`) and inherits 13 conveniences from `StoreBase`
+(`get`, `select`, `ids`, `find_hash`, `recent_episodes`, `episodes_around`, `eviction_pool`,
+`iter_export`, `job`, `job_by_key`, `jobs`, `session`, `sessions`). Its `Tx` implements the
+nine writes of `Tx`.
 """
 
 from __future__ import annotations
@@ -177,7 +180,9 @@ class Tx(Protocol):
 
 
 class Store(Protocol):
-    """What the layers above call. Backends get it by subclassing `StoreBase`."""
+    """What the layers above call. Backends get it by subclassing `StoreBase`: they implement
+    the primitives (`write`, `close`, `migrations`, the `read_*` reads, `candidates`, `dense`,
+    `lexical`, `events`, `claim_job`, `stats`, `touch`, `reclaim`) and inherit the rest."""
 
     def write(self) -> AbstractContextManager[Tx]: ...
 
@@ -185,6 +190,22 @@ class Store(Protocol):
 
     def migrations(self) -> list[str]:
         """The names of the schema migrations applied to the database, in order."""
+
+    def read_memories(self, sel: Select) -> list[MemoryRecord]:
+        """The records `sel` selects, in its order: the one read every record read below is
+        built on (a new kind of read is a new `Select`, not a new method)."""
+
+    def read_ids(self, sel: Select) -> list[str]:
+        """The ids of the records `sel` selects, in its order."""
+
+    def read_jobs(self, *, id: str | None = None, key: str | None = None,
+                  scope: Scope | None = None, status: str | None = None,
+                  limit: int | None = None) -> list[Job]:
+        """Jobs matching every given field (scope: None fields match anything), newest first."""
+
+    def read_sessions(self, scope: Scope, *, exact: bool, limit: int) -> list[Session]:
+        """Sessions of `scope` (exactly it, or None fields matching anything), most recently
+        updated first."""
 
     def get(self, ids: Sequence[str]) -> dict[str, MemoryRecord]:
         """Stored records by id, whatever their state (deleted, expired, superseded)."""
@@ -263,7 +284,7 @@ EXPORT_CHUNK = 500  # records read per statement while exporting
 
 class StoreBase(ABC):
     """The conveniences of `Store`, each written once over the primitives a backend implements
-    (the abstract methods below, and `candidates`, `dense`, `lexical`, `events`, `touch`)."""
+    (the abstract methods below). Both backends inherit it."""
 
     # -- primitives ----------------------------------------------------------------------------
 
