@@ -700,7 +700,7 @@ app.add_typer(keys_app, name="keys")
 @contextmanager
 def _key_store(state: _State) -> Iterator[Any]:
     from .config import Config
-    from .store.keys import open_key_store
+    from .server.keys import open_key_store
 
     with _guard():
         keys = open_key_store(Config.from_env(path=state.db))

@@ -24,9 +24,9 @@ from .. import __version__
 from ..config import Config
 from ..errors import EngramError
 from ..providers.embedders import Embedder, get_embedder
-from ..store.keys import KeyStore, open_key_store
 from .auth import Authenticator
 from .errors import ServiceError, error_response, from_engram_error, validation_message
+from .keys import KeyStore, open_key_store
 from .limits import BodyLimitMiddleware, ServiceLimits
 from .metrics import Metrics, MetricsMiddleware
 from .ratelimit import RateLimiter
