@@ -151,6 +151,17 @@ def test_unknown_id_exits_1(db: Path, command: str) -> None:
     assert result.stdout == ""
 
 
+def test_jobs_lists_a_background_add(db: Path) -> None:
+    queued = run_json(db, "add", "Ana booked the 9:40 train", "-u", "ana", "--background")
+    assert isinstance(queued, dict) and queued["job"] is not None
+    job = queued["job"]["id"]
+    listed = run(db, "jobs", "-u", "ana").stdout
+    assert job in listed and " add " in listed  # the job's task, as the table shows it
+    rows = run_json(db, "jobs", "-u", "ana")
+    assert isinstance(rows, list)
+    assert [(r["id"], r["task"]) for r in rows] == [(job, "add")]
+
+
 # -- export / import -----------------------------------------------------------------------------
 
 def test_export_then_import_restores_memories(tmp_path: Path,

@@ -552,7 +552,7 @@ def jobs(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
         _print_json([j.to_dict() for j in found])
         return
     for j in found:
-        typer.echo(f"{j.id}  {j.kind:8} {j.status.value:8} attempts={j.attempts}"
+        typer.echo(f"{j.id}  {j.task:8} {j.status.value:8} attempts={j.attempts}"
                    + (f"  error: {j.error}" if j.error else ""))
 
 
