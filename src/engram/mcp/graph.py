@@ -19,22 +19,22 @@ near-duplicate merges into what is stored (a MERGE event says so).
 from __future__ import annotations
 
 import contextlib
+import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .errors import InvalidInput, NotFound
-from .pipeline.text import normalize
-
-if TYPE_CHECKING:
-    from .memory import Memory
-    from .model import MemoryRecord, Scope
+from .. import Memory
+from ..errors import InvalidInput, NotFound
+from ..model import MemoryRecord, Scope
 
 KG = "kg"  # the metadata key marking a graph record
 ENTITY, OBSERVATION, RELATION = "entity", "observation", "relation"
 MAX_BATCH = 1000     # items per call: a tool call is one request, not a bulk import
 MAX_NAME_CHARS = 256  # entity names and types, relation types
 PAGE = 1000          # Memory.list's largest page
+_SPACE = re.compile(r"\s+")
 
 
 @dataclass(frozen=True)
@@ -250,6 +250,15 @@ def observation_of(rec: MemoryRecord) -> str:
     """The observation an observation memory holds. A merge may have replaced its text with a
     longer one without the "<entity>: " prefix; then the whole text is the observation."""
     return rec.text.removeprefix(f"{rec.metadata['entity']}: ")
+
+
+def normalize(text: str) -> str:
+    """The form two observations share when they are the same observation: the form engram
+    gives a text to find exact duplicates (`Memory.add` stores one of them). A test keeps the
+    two in step; the graph has its own copy because it sees engram only through `Memory`."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    text = _SPACE.sub(" ", text).strip()
+    return text.rstrip(".!?;: ")
 
 
 def _observation_message(entity: str, entity_type: str, observation: str) -> dict[str, Any]:
