@@ -21,8 +21,8 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from .. import Memory
 from ..errors import Conflict, InvalidFilter, NotFound
-from ..memory import Memory
 from ..model import Kind, Session
 from ..working.session import list_sessions
 from .auth import Principal, require_admin
