@@ -4,6 +4,7 @@ real MiniLM embedder: routes, auth and roles, tenant isolation, bounds, rate lim
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,15 @@ def test_idempotency_key_of_a_queued_request_answers_409_with_retry_after(
         other = svc.call("a-member", "POST", "/v1/memories", headers=headers,
                          json={"messages": "Ana booked the 11:00 train", "user_id": "ana"})
         assert other.status_code == 422 and error_code(other) == "idempotency_key_reused"
+
+
+def test_without_the_mcp_extra_the_service_serves_no_mcp(tmp_path: Path, embedder: MiniLM,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mcp", None)  # as if the mcp extra were not installed
+    with service(tmp_path, embedder) as svc:
+        r = svc.call("a-member", "POST", "/mcp", json={})
+        assert r.status_code == 404 and error_code(r) == "not_found"
+        assert svc.call("a-member", "GET", "/v1/memories").status_code == 200
 
 
 # -- auth --------------------------------------------------------------------------------------

@@ -72,6 +72,12 @@ def exit_code(exc: EngramError) -> int:
     return EXIT_ERROR
 
 
+# The top-level modules of engram's optional extras (pyproject.toml): a command that needs a
+# missing one names the extra to install instead of failing with a traceback.
+EXTRAS = {"fastapi": "server", "starlette": "server", "uvicorn": "server",
+          "prometheus_client": "server", "mcp": "mcp", "mcp_types": "mcp", "psycopg": "postgres"}
+
+
 @contextmanager
 def guard() -> Iterator[None]:
     """Turn engram errors into a one-line message and an exit code, never a traceback."""
@@ -81,6 +87,13 @@ def guard() -> Iterator[None]:
         fail(str(exc), exit_code(exc))
     except OSError as exc:  # e.g. an export path in a missing directory
         fail(str(exc), EXIT_ERROR)
+    except ModuleNotFoundError as exc:
+        module = (exc.name or "").partition(".")[0]
+        if module not in EXTRAS:
+            raise
+        extra = EXTRAS[module]
+        fail(f"this needs engram's {extra} extra (no module {module!r}): "
+             f"pip install 'engram[{extra}]'", EXIT_ERROR)
 
 
 def config(st: State) -> Config:

@@ -104,12 +104,12 @@ def serve(ctx: typer.Context,
           = 1_048_576,
           db: DbOpt = None) -> None:
     """Run the REST service (OpenAPI at /openapi.json, docs at /docs)."""
-    import uvicorn
-
-    from ..server import ServiceLimits, create_app
-
     st = state(ctx, db, False)
     with guard():
+        import uvicorn
+
+        from ..server import ServiceLimits, create_app
+
         cfg = config(st)
         try:
             limits = ServiceLimits(max_body_bytes=max_body, rate=rate, burst=burst)
@@ -141,8 +141,8 @@ def mcp(ctx: typer.Context,
             "--user-id", metavar="ID", help="Scope of every tool call: user id.")] = "default",
         db: DbOpt = None) -> None:
     """Serve engram's memory and knowledge-graph tools over MCP (stdio or streamable HTTP)."""
-    from ..mcp import serve as serve_mcp
-
     st = state(ctx, db, False)
     with guard():
+        from ..mcp import serve as serve_mcp
+
         serve_mcp(transport=transport, host=host, port=port, user_id=user_id, config=config(st))

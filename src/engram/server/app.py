@@ -9,6 +9,7 @@ Layers, outermost first: metrics (latency per route), the body size limit (413),
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -46,7 +47,8 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
                mcp: bool = True) -> FastAPI:
     """The service app. `embedder` is shared by every tenant (default: the configured one);
     `keys` defaults to the key store beside the database; `auth=False` serves the single-user
-    database to anyone who can reach the port."""
+    database to anyone who can reach the port. The MCP server is at /mcp unless `mcp=False` or
+    the MCP SDK (the mcp extra) is not installed."""
     config = config or Config.from_env()
     limits = limits or ServiceLimits()
     embedder = embedder or get_embedder(config.embedder)
@@ -54,7 +56,8 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     key_store = (keys or open_key_store(config)) if auth else None
     tenants = Tenants(config, embedder)
     metrics = Metrics(tenants)
-    mcp_mount = _mcp_mount(tenants) if mcp else None
+    # /mcp is served when the MCP SDK (engram's mcp extra) is installed.
+    mcp_mount = _mcp_mount(tenants) if mcp and importlib.util.find_spec("mcp") is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
