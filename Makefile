@@ -16,7 +16,7 @@ $(PY):
 # The CPU build of torch is pinned first, so sentence-transformers never pulls a CUDA build.
 $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.[all]'
 	touch $@
 
 # llama-cpp-python (the LLM tests' real server) compiles from source: ~8 min on 2 cores, once;

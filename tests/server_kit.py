@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from engram.config import Config
 from engram.providers.embedders import Embedder
 from engram.server import ServiceLimits, create_app
-from engram.store.keys import KeyStore, PostgresKeyStore, SQLiteKeyStore
+from engram.server.keys import KeyStore, PostgresKeyStore, SQLiteKeyStore
 
 
 @dataclass

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
+import pytest
 
 from engram.providers.embedders import MiniLM
 
@@ -32,3 +34,15 @@ def test_concurrent_callers_get_exactly_their_vectors(embedder: MiniLM) -> None:
 
 def test_an_empty_batch_needs_no_model() -> None:
     assert MiniLM().embed_batch([]).shape == (0, 384)
+
+
+def test_loading_the_model_leaves_the_process_environment_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thread-pool and Hub settings belong to the process owner (CLI, Makefile, conftest)."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
+                 "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    vectors = MiniLM().embed_batch(["offline, without the environment's help"])
+    assert vectors.shape == (1, 384)
+    assert dict(os.environ) == before

@@ -172,3 +172,72 @@ def test_erasing_one_session_message_resets_its_summaries(tmp_path: Path, embedd
         row = mem.store.session(s.scope)
         assert row is not None and CANARY not in row.summary
         assert occurrences(db, CANARY) == 0
+
+
+def test_deleting_a_session_leaves_no_trace(tmp_path: Path, embedder) -> None:
+    """`SessionHandle.delete` is the same erase: messages, summaries, the facts learned from
+    them, and the job payloads that hold the messages (a keyed or background add)."""
+    from engram.providers.llms import LLM, ScriptedLLM
+
+    def reply(messages: object, schema: object) -> object:
+        if schema is None:  # the session summary
+            return f"A said the locker code is {CANARY}."
+        return {"facts": [{"text": f"A's locker code is {CANARY}.", "kind": "semantic",
+                           "importance": 0.9, "date": None, "sources": [1]}]}
+
+    db = tmp_path / "session.db"
+    with Memory(db, embedder=embedder, llm=LLM(ScriptedLLM([reply] * 10))) as mem:
+        s = mem.session(user_id="A", session_id="s1", policy="summary")
+        s.add(f"my locker code is {CANARY}")
+        mem.add(f"the spare key is under {CANARY}", user_id="A", session_id="s1",
+                idempotency_key="req-1", infer=False)  # its job row keeps the request
+        job = mem.add(f"and the bike lock is {CANARY} too", user_id="A", session_id="s1",
+                      background=True, infer=False).job
+        assert job is not None and mem.wait(job.id, timeout=60).status.value == "done"
+        s.wait()
+        s.end()  # the summary episode and the extracted user-level fact
+        other = mem.session(user_id="A", session_id="s2")
+        other.add("A likes plain tea")
+        assert len(mem.list(user_id="A", kinds=["semantic"]).items) == 1
+        assert occurrences(db, CANARY) > 0
+        erased = s.delete()
+        assert erased == 5  # three messages, the summary, the fact learned from them
+        assert occurrences(db, CANARY) == 0
+        assert mem.list(user_id="A", kinds=["semantic"]).items == []
+        assert [x.scope.session_id for x in mem.sessions(user_id="A")] == ["s2"]
+        assert [m.content for m in other.messages()] == ["A likes plain tea"]
+        # the keyed request is gone with the session: the same key is free for new work
+        again = mem.add("a new start", user_id="A", session_id="s1", idempotency_key="req-1",
+                        infer=False)
+        assert [m.text for m in again.memories] == ["a new start"]
+
+
+def test_deleting_a_session_keeps_the_agent_session_of_the_same_id(tmp_path: Path,
+                                                                   embedder) -> None:
+    """A session's scope is exact: ana's session "s" is not ana's session "s" with an agent."""
+    with Memory(tmp_path / "exact.db", embedder=embedder) as mem:
+        mine = mem.session(user_id="A", session_id="s")
+        theirs = mem.session(user_id="A", agent_id="bot", session_id="s")
+        mine.add("just us")
+        theirs.add(f"with the bot: {OTHER_CANARY}")
+        job = mem.add("queued with the bot", user_id="A", agent_id="bot", session_id="s",
+                      background=True, idempotency_key="bot-1").job
+        assert job is not None
+        assert mine.delete() == 1
+        assert [m.content for m in theirs.messages()][:1] == [f"with the bot: {OTHER_CANARY}"]
+        assert mem.sessions(user_id="A", agent_id="bot", session_id="s", limit=1)
+        assert mem.job(job.id).key == "bot-1"
+
+
+def test_erasing_a_message_drops_the_payload_of_the_request_that_added_it(tmp_path: Path,
+                                                                         embedder) -> None:
+    db = tmp_path / "payload.db"
+    with Memory(db, embedder=embedder) as mem:
+        first = mem.add(f"my pin is {OTHER_CANARY}", user_id="D", idempotency_key="k1").memories[0]
+        kept = mem.add("something else", user_id="D", idempotency_key="k2").memories[0]
+        assert occurrences(db, OTHER_CANARY) > 0
+        assert mem.erase(id=first.id) == 1
+        assert occurrences(db, OTHER_CANARY) == 0
+        # the other request still replays
+        assert [m.id for m in mem.add("something else", user_id="D",
+                                      idempotency_key="k2").memories] == [kept.id]

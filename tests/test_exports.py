@@ -43,3 +43,14 @@ def test_errors_are_exported_under_one_root() -> None:
               if inspect.isclass(getattr(engram, n)) and issubclass(getattr(engram, n), Exception)]
     assert engram.EngramError in errors and len(errors) > 1
     assert all(issubclass(e, engram.EngramError) for e in errors)
+
+
+def test_every_error_a_caller_can_act_on_is_exported() -> None:
+    """The LLM errors and `InProgress` are caught by callers: importable from `engram`."""
+    from engram import errors
+
+    defined = {name for name, value in vars(errors).items()
+               if inspect.isclass(value) and issubclass(value, Exception)}
+    assert defined <= set(engram.__all__)
+    assert {"InProgress", "LLMOutputError", "LLMRejected", "LLMTimeout",
+            "LLMUnavailable"} <= set(engram.__all__)

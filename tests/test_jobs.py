@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from engram import Config, Conflict, InvalidInput, JobStatus, Kind, Memory, NotFound
+from engram import Config, Conflict, InProgress, InvalidInput, JobStatus, Kind, Memory, NotFound
 from engram.cli import app
 from engram.errors import StoreError
+from engram.providers import embedders
 from engram.providers.embedders import MiniLM
 
 
@@ -80,7 +81,7 @@ def test_failures_retry_with_backoff_then_fail(quiet: Memory, monkeypatch: pytes
         calls.append(1)
         raise StoreError("disk on fire")
 
-    monkeypatch.setattr(quiet, "_add", broken)
+    monkeypatch.setattr("engram.pipeline.write.add", broken)
     job = quiet.add("x", user_id="ana", background=True).job
     assert job is not None
     assert quiet.work(until_idle=True) == 1
@@ -102,7 +103,7 @@ def test_invalid_payload_fails_without_retry(quiet: Memory, monkeypatch: pytest.
     def invalid(*args: Any, **kwargs: Any) -> Any:
         raise InvalidInput("nope")
 
-    monkeypatch.setattr(quiet, "_add", invalid)
+    monkeypatch.setattr("engram.pipeline.write.add", invalid)
     job = quiet.add("x", user_id="ana", background=True).job
     assert job is not None
     quiet.work(until_idle=True)
@@ -170,7 +171,7 @@ def test_engram_worker_runs_queued_jobs(tmp_path: Path, embedder: MiniLM,
     with memory(db, embedder, worker="off") as m:
         job = m.add("from the queue", user_id="ana", background=True).job
         assert job is not None
-    monkeypatch.setattr("engram.memory.get_embedder", lambda name: embedder)
+    monkeypatch.setitem(embedders.EMBEDDERS, "minilm", lambda: embedder)
     out = CliRunner().invoke(app, ["--db", str(db), "--json", "worker", "--until-idle"])
     assert out.exit_code == 0, out.output
     assert '"ran": 1' in out.stdout
@@ -187,7 +188,7 @@ def test_a_failed_request_retried_with_its_key_runs_again(quiet: Memory,
         raise InvalidInput("nope")
 
     with monkeypatch.context() as mp:
-        mp.setattr(quiet, "_add", invalid)
+        mp.setattr("engram.pipeline.write.add", invalid)
         job = quiet.add("x", user_id="ana", background=True, idempotency_key="k").job
         assert job is not None
         quiet.work(until_idle=True)
@@ -198,7 +199,7 @@ def test_a_failed_request_retried_with_its_key_runs_again(quiet: Memory,
     assert quiet.job(job.id).status is JobStatus.DONE
     # ... and in the foreground, after a failure, the same key does the work in the same row
     with monkeypatch.context() as mp:
-        mp.setattr(quiet, "_add", invalid)
+        mp.setattr("engram.pipeline.write.add", invalid)
         j2 = quiet.add("y", user_id="ana", background=True, idempotency_key="k2").job
         assert j2 is not None
         quiet.work(until_idle=True)
@@ -210,7 +211,7 @@ def test_engram_add_background_queues_a_job(tmp_path: Path, embedder: MiniLM,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
-    monkeypatch.setattr("engram.memory.get_embedder", lambda name: embedder)
+    monkeypatch.setitem(embedders.EMBEDDERS, "minilm", lambda: embedder)
     monkeypatch.setenv("ENGRAM_WORKER", "off")
     db = str(tmp_path / "m.db")
     out = CliRunner().invoke(app, ["--db", db, "--json", "add", "hello there", "-u", "ana",
@@ -224,6 +225,40 @@ def test_engram_add_background_queues_a_job(tmp_path: Path, embedder: MiniLM,
 
 def test_a_foreground_retry_of_a_queued_request_never_blocks(quiet: Memory) -> None:
     quiet.add("x", user_id="ana", background=True, idempotency_key="k")  # no worker runs it
-    with pytest.raises(Conflict, match="queued; retry later"):
+    with pytest.raises(InProgress, match="queued; retry later") as info:
         quiet.add("x", user_id="ana", idempotency_key="k")
+    assert not isinstance(info.value, Conflict)  # the same request: it will succeed later
+    assert info.value.retry_after >= 1
     assert quiet.stats(user_id="ana").memories == 0
+    with pytest.raises(Conflict):  # another request under the key is still a conflict
+        quiet.add("y", user_id="ana", idempotency_key="k")
+    quiet.work(until_idle=True)
+    assert [m.text for m in quiet.add("x", user_id="ana", idempotency_key="k").memories] == ["x"]
+
+
+def test_a_retry_while_the_first_request_runs_is_in_progress(
+        tmp_path: Path, embedder: MiniLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the in-process worker, a retry waits for the running request (up to the lease),
+    then asks the caller to come back: `InProgress`, not `Conflict`."""
+    from engram.pipeline import write
+
+    monkeypatch.setattr("engram.jobs.JOB_LEASE_S", 0.5)
+    entered, release = threading.Event(), threading.Event()
+    real = write.add
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        assert release.wait(timeout=60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("engram.pipeline.write.add", slow)
+    with memory(tmp_path / "m.db", embedder) as m:
+        job = m.add("x", user_id="ana", background=True, idempotency_key="k").job
+        assert job is not None and entered.wait(timeout=60)  # the worker runs it ...
+        with pytest.raises(InProgress, match="still running") as info:
+            m.add("x", user_id="ana", idempotency_key="k")  # ... and a retry must come back
+        assert info.value.retry_after >= 1
+        release.set()
+        assert m.wait(job.id, timeout=60).status is JobStatus.DONE
+        assert [r.text for r in m.add("x", user_id="ana", idempotency_key="k").memories] == ["x"]
+        assert m.stats(user_id="ana").memories == 1

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engram import EventType, Kind, Memory
+from engram import EventType, Kind, Memory, Scope
 from engram.errors import LLMUnavailable
 from engram.providers.embedders import MiniLM
 from engram.providers.llms import LLM, OpenAICompatible, ScriptedLLM
@@ -274,6 +274,11 @@ def test_reflection_is_queued_every_n_episodes(tmp_path: Path, embedder: MiniLM,
         assert m.work(until_idle=True) == 1
         done = m.job(job.id)
         assert done.status is JobStatus.DONE and len(done.result["memories"]) == 1  # type: ignore[index]
+        # a session's messages are episodes like any other: they count too
+        m.session(user_id="ana", session_id="s").add(["f", "g"])  # 7 in ana's scope...
+        assert len(m.jobs()) == 1
+        m.session(user_id="ana", session_id="s").add("h")  # ... but 3 in the session's: a step
+        assert [j.scope for j in m.jobs(status="queued")] == [Scope("ana", None, "s")]
 
 
 def test_out_of_range_importance_is_clamped_not_fatal(smart: Memory, script: ScriptedLLM) -> None:

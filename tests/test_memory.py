@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import types
+import typing
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -289,6 +291,45 @@ def test_history_is_in_order(mem: Memory) -> None:
     assert all(a.at <= b.at for a, b in zip(hist, hist[1:], strict=False))
     assert all(e.memory_id == rec.id for e in hist)
     assert hist[1].after["text"] == "version two" and hist[2].before["text"] == "version two"
+
+
+def test_reads_and_writes_by_id_take_a_scope(mem: Memory, snapshot) -> None:
+    """Outside the given scope a memory does not exist: NotFound, exactly as an unknown id,
+    and nothing is written."""
+    rec = mem.add("Ana's locker is 12", user_id="ana", agent_id="bot", session_id="s").memories[0]
+    wrong: list[dict[str, str]] = [{"user_id": "bob"}, {"agent_id": "other"},
+                                   {"session_id": "t"}, {"user_id": "ana", "session_id": "t"}]
+    before = state(mem, snapshot)
+    ops: list[Callable[..., object]] = [
+        mem.get, lambda i, **s: mem.update(i, text="changed", **s), mem.delete, mem.history]
+    for scope in wrong:
+        for op in ops:
+            with pytest.raises(NotFound) as info:
+                op(rec.id, **scope)
+            assert str(info.value) == f"no memory with id {rec.id!r}"
+    assert state(mem, snapshot) == before
+    for scope in ({}, {"user_id": "ana"}, {"agent_id": "bot", "session_id": "s"},
+                  {"user_id": "ana", "agent_id": "bot", "session_id": "s"}):
+        assert mem.get(rec.id, **scope) == rec
+    assert mem.update(rec.id, importance=0.9, user_id="ana").importance == 0.9
+    mem.delete(rec.id, user_id="ana", session_id="s")
+    assert [e.type for e in mem.history(rec.id, user_id="ana")] == [
+        EventType.ADD, EventType.UPDATE, EventType.DELETE]
+    mem.erase(id=rec.id)  # the ERASE event keeps the memory's scope: history stays scoped
+    assert [e.type for e in mem.history(rec.id, agent_id="bot")] == [EventType.ERASE]
+    with pytest.raises(NotFound):
+        mem.history(rec.id, user_id="bob")
+
+
+def test_sessions_can_be_asked_for_by_id(mem: Memory) -> None:
+    mem.session(user_id="ana", session_id="trip").add("hello")
+    mem.session(user_id="bob", session_id="trip").add("hi")
+    mem.session(user_id="ana", session_id="work").add("hey")
+    assert [s.scope.user_id for s in mem.sessions(session_id="trip")] == ["bob", "ana"]
+    assert bool(mem.sessions(user_id="ana", session_id="trip", limit=1))
+    assert not mem.sessions(user_id="ana", session_id="nope", limit=1)
+    with pytest.raises(InvalidInput):
+        mem.sessions(session_id="")
 
 
 # -- reads -----------------------------------------------------------------------------------
@@ -604,17 +645,40 @@ def test_errors_share_one_root() -> None:
     assert str(NotFound("no memory with id 'x'")) == "no memory with id 'x'"
 
 
-# -- the async face --------------------------------------------------------------------------
+# -- signatures ------------------------------------------------------------------------------
 
-def test_async_memory_has_every_public_method() -> None:
-    def public(cls: type) -> set[str]:
-        return {n for n, v in vars(cls).items() if not n.startswith("_") and callable(v)}
+def admits(annotation: Any, value: object) -> bool:
+    """Whether `value` is of the (resolved) type `annotation`, as far as isinstance can tell."""
+    if annotation is Any:
+        return True
+    if annotation is None or annotation is type(None):
+        return value is None
+    args = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return any(admits(a, value) for a in args)
+    origin = typing.get_origin(annotation) or annotation
+    if origin is float:  # int is acceptable where float is expected (PEP 484)
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    try:
+        return isinstance(value, origin)
+    except TypeError:  # a protocol: isinstance cannot tell
+        return False
 
-    sync, aio = public(Memory), public(AsyncMemory)
-    assert sync  # the check means something
-    assert sync <= aio, f"missing on AsyncMemory: {sorted(sync - aio)}"
-    for name in sync:
-        assert inspect.iscoroutinefunction(getattr(AsyncMemory, name)), name
+
+@pytest.mark.parametrize("cls", [Memory, AsyncMemory])
+def test_every_default_has_its_declared_type(cls: type) -> None:
+    """Signatures tell the truth: no `importance: float = UNSET`, no `llm: LLM | None = UNSET`."""
+    checked = 0
+    for name, fn in vars(cls).items():
+        if not inspect.isfunction(fn) or (name.startswith("_") and name != "__init__"):
+            continue
+        for p in inspect.signature(fn).parameters.values():
+            if p.default is inspect.Parameter.empty or p.annotation is inspect.Parameter.empty:
+                continue
+            annotation = eval(p.annotation, fn.__globals__)  # the module's names, as mypy reads them
+            assert admits(annotation, p.default), f"{cls.__name__}.{name}({p})"
+            checked += 1
+    assert checked > 50
 
 
 def test_update_of_an_old_turn_reindexes_it_with_its_own_context(mem: Memory) -> None:

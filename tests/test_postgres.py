@@ -22,9 +22,9 @@ from engram import Config, EventType, InvalidInput, Memory, NotFound
 from engram.errors import StoreBusy, StoreError, StoreUnavailable
 from engram.filters import parse_filters
 from engram.model import Job, JobStatus, Kind, Scope, Session, new_id
-from engram.store import Key, Lexical
-from engram.store import pg_sql as sql
-from engram.store.postgres import PostgresStore
+from engram.store import Key, Lexical, Stores
+from engram.store.postgres import PostgresStore, schema, sql
+from engram.store.records import compile_query
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def test_fresh_database_migrates_once_under_concurrent_opens(db: str) -> None:
         t.join()
     try:
         assert errors == []
-        assert {tuple(s.migrations()) for s in stores} == {tuple(n for n, _ in sql.MIGRATIONS)}
+        assert {tuple(s.migrations()) for s in stores} == {tuple(n for n, _ in schema.MIGRATIONS)}
     finally:
         for s in stores:
             s.close()
@@ -154,7 +154,7 @@ def tenants(request: pytest.FixtureRequest, pg_server: Any,
 def _fill_tenant(store: PostgresStore, scope: Scope) -> dict[str, Any]:
     fact = rec("Ana keeps her secret in Lisbon", scope=scope, kind=Kind.SEMANTIC)
     put(store, fact, vectors=[vec(1, 0)])
-    job = Job(id=new_id(), kind="add", scope=scope, payload={"x": 1}, status=JobStatus.QUEUED,
+    job = Job(id=new_id(), task="add", scope=scope, payload={"x": 1}, status=JobStatus.QUEUED,
               created_at=NOW, updated_at=NOW, run_at=NOW - timedelta(seconds=1), key="req-1")
     sess = Session(scope=Scope("u1", None, "s1"), policy={"name": "window"}, created_at=NOW,
                    updated_at=NOW, summary="Ana's secret")
@@ -220,13 +220,43 @@ def test_tenant_stores_share_one_pool_until_the_last_closes(db: str) -> None:
     assert n == (0,)
 
 
+def test_config_tunes_the_store_and_opened_tenants_share_one_pool(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (("ENGRAM_PG_POOL_SIZE", "3"), ("ENGRAM_PG_POOL_WAIT", "0.5"),
+                        ("ENGRAM_PG_STATEMENT_TIMEOUT", "9"), ("ENGRAM_PG_CONNECT_TIMEOUT", "3"),
+                        ("ENGRAM_PG_EXACT_LIMIT", "7"), ("ENGRAM_PG_RECLAIM", "full")):
+        monkeypatch.setenv(name, value)
+    config = Config.from_env(database_url=db)
+    assert (config.pg_pool_size, config.pg_pool_wait_s, config.pg_statement_timeout_s,
+            config.pg_connect_timeout_s, config.pg_exact_limit, config.pg_reclaim) == (
+        3, 0.5, 9.0, 3.0, 7, "full")
+    stores = Stores(config)
+    a, b = stores.open("a"), stores.open("b")
+    assert isinstance(a, PostgresStore) and isinstance(b, PostgresStore)
+    assert a._pool is b._pool and a._pool._max == 3 and a._pool._wait_s == 0.5
+    assert (a.tenant, b.tenant, a.statement_timeout_s, a.exact_limit, a.reclaim_mode) == (
+        "a", "b", 9.0, 7, "full")
+    put(a, rec("only a's"))
+    assert [r.text for r in a.select(q())] == ["only a's"] and b.select(q()) == []
+    a.close()
+    b.close()
+    stores.close()
+    with psycopg.connect(db.replace("engram@", "postgres@")) as conn:  # all connections returned
+        n = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                         "AND pid <> pg_backend_pid()").fetchone()
+    assert n == (0,)
+    monkeypatch.setenv("ENGRAM_PG_RECLAIM", "shred")
+    with pytest.raises(InvalidInput, match="pg_reclaim"):
+        Config.from_env(database_url=db)
+
+
 def test_row_level_security_is_a_second_wall(pg_server: Any, db: str) -> None:
     a = PostgresStore(db, tenant="a")
     try:
         _fill_tenant(a, Scope("u1"))
     finally:
         a.close()
-    tables = sql.TENANT_TABLES
+    tables = schema.TENANT_TABLES
     with psycopg.connect(db, autocommit=True) as conn:  # the owner role, as the store uses
         def count(tenant: str | None) -> dict[str, int]:
             with conn.transaction():
@@ -351,7 +381,7 @@ def test_dense_uses_the_hnsw_index_beyond_the_exact_limit(db: str, caplog: pytes
             assert {m for m, _ in store.dense(q(kinds=(Kind.PROCEDURAL,)), probe, 50)} == procedural
         assert "found 40 of 50; exact scan" in caplog.text
         # and the ANN statement is one the planner answers from the index
-        where, params = sql.compile_query(q(), "")
+        where, params = compile_query(sql.DIALECT, q(), "")
         source = sql.dense_source(dim, where)
         lit = sql.vector_literal(probe)
         with psycopg.connect(db) as conn:
@@ -360,7 +390,7 @@ def test_dense_uses_the_hnsw_index_beyond_the_exact_limit(db: str, caplog: pytes
                 conn.execute(f"SET LOCAL enable_{plan_kind} = off")
             plan = conn.execute("EXPLAIN " + sql.dense_ann_sql(dim, source),
                                 [lit, "", "text", *params, lit, 20, 10]).fetchall()
-        assert sql.hnsw_index_name(dim) in "\n".join(r[0] for r in plan)
+        assert schema.hnsw_index_name(dim) in "\n".join(r[0] for r in plan)
     finally:
         store.close()
 
@@ -383,7 +413,7 @@ def test_keys_of_two_dimensions_live_side_by_side(db: str) -> None:
 def test_concurrent_claims_from_two_stores_never_share_a_job(db: str) -> None:
     stores = [PostgresStore(db), PostgresStore(db)]
     try:
-        jobs = [Job(id=new_id(), kind="add", scope=Scope("u"), payload={}, status=JobStatus.QUEUED,
+        jobs = [Job(id=new_id(), task="add", scope=Scope("u"), payload={}, status=JobStatus.QUEUED,
                     created_at=NOW, updated_at=NOW, run_at=NOW) for _ in range(30)]
         with stores[0].write() as tx:
             for j in jobs:
@@ -503,9 +533,9 @@ def test_a_database_made_by_an_older_version_upgrades_itself(
     r = rec("made by the old version")
     put(old, r)
     old.close()
-    newer = [*sql.MIGRATIONS, ("9999_test_upgrade",
+    newer = [*schema.MIGRATIONS, ("9999_test_upgrade",
                                ["CREATE INDEX memories_importance ON memories (tenant, importance)"])]
-    monkeypatch.setattr(sql, "MIGRATIONS", newer)
+    monkeypatch.setattr(schema, "MIGRATIONS", newer)
     new = PostgresStore(db)
     try:
         assert new.migrations() == [name for name, _ in newer]
@@ -551,7 +581,7 @@ def test_writes_of_a_tenant_take_turns_reads_and_claims_do_not_wait(db: str) -> 
     other_tenant = first.for_tenant("b")
     try:
         r, s = rec("first"), rec("other tenant")
-        enqueue = Job(id=new_id(), kind="add", scope=Scope("u"), payload={}, status=JobStatus.QUEUED,
+        enqueue = Job(id=new_id(), task="add", scope=Scope("u"), payload={}, status=JobStatus.QUEUED,
                       created_at=NOW, updated_at=NOW, run_at=NOW)
         with second.write() as tx:
             tx.put_job(enqueue)

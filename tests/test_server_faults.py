@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from engram.config import Config
 from engram.providers.embedders import MiniLM
 from engram.server import ServiceLimits, create_app
-from engram.store.keys import PostgresKeyStore, SQLiteKeyStore
+from engram.server.keys import PostgresKeyStore, SQLiteKeyStore
 from pg_server import PgTestServer
 from server_kit import error_code
 

@@ -21,7 +21,7 @@ from mcp.client.streamable_http import streamable_http_client
 from engram.config import Config
 from engram.providers.embedders import MiniLM
 from engram.server import ServiceLimits, create_app
-from engram.store.keys import SQLiteKeyStore
+from engram.server.keys import SQLiteKeyStore
 from server_kit import serve_in_thread
 
 CANARY = "canary-51c9: the vault code is 4417"

@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from engram.config import Config
 from engram.providers.embedders import MiniLM
 from engram.server import ServiceLimits, create_app
-from engram.store.keys import SQLiteKeyStore
+from engram.server.keys import SQLiteKeyStore
 
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 15}
 # POST /v1/import takes JSON lines: sent as the generated text.

@@ -14,7 +14,7 @@ import pytest
 
 from engram import AsyncMemory, InvalidInput, Memory, NotFound
 from engram.errors import LLMUnavailable, ProviderError
-from engram.model import EventType
+from engram.model import EventType, Scope
 from engram.providers.embedders import MiniLM
 from engram.providers.llms import LLM, ScriptedLLM
 from engram.working import All, Progressive, Summary, Window
@@ -254,13 +254,14 @@ def test_progressive_summaries_form_a_hierarchy(mem: Memory) -> None:
 
 def test_end_writes_a_summary_episode_with_provenance_and_runs_extraction(
         mem: Memory, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(mem, "extract", lambda **scope: calls.append(scope))
+    calls: list[tuple[Scope, str]] = []
+    monkeypatch.setattr("engram.pipeline.learn.learn_from",
+                        lambda engine, scope, task, limit: calls.append((scope, task.name)))
     s = mem.session(user_id="ana", session_id="s1", policy=Window(n=4))
     stored = s.add(chat(6))
     summary = s.end()
     assert summary is not None
-    assert calls == [{"user_id": "ana", "agent_id": None, "session_id": "s1"}]
+    assert calls == [(Scope("ana", None, "s1"), "extraction")]
     assert summary.kind.value == "episodic" and summary.metadata["engram"] == SUMMARY_MARK
     assert summary.provenance == tuple(r.id for r in stored)
     assert summary.scope == s.scope and "Lisbon" in summary.text
@@ -352,7 +353,7 @@ def test_cli_lists_shows_and_deletes_sessions(db: Path, embedder: MiniLM,
 
 
 def test_erasing_a_message_resets_summaries_which_are_rebuilt_from_what_remains(mem: Memory) -> None:
-    from engram.working.session import reset_summaries
+    from engram.pipeline.erase import reset_summaries
 
     s = mem.session(user_id="ana", session_id="s", policy=Summary(keep_recent=2))
     stored = s.add(chat(4))

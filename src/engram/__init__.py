@@ -8,20 +8,26 @@
 
 import logging as _logging
 
+from .aio import AsyncMemory
 from .config import Config
 from .errors import (
     Conflict,
     EngramError,
+    InProgress,
     InvalidFilter,
     InvalidImport,
     InvalidInput,
+    LLMOutputError,
+    LLMRejected,
+    LLMTimeout,
+    LLMUnavailable,
     NotFound,
     ProviderError,
     StoreBusy,
     StoreError,
     StoreUnavailable,
 )
-from .memory import AsyncMemory, Memory
+from .memory import Memory
 from .model import (
     AddResult,
     Event,
@@ -53,12 +59,17 @@ __all__ = [
     "Event",
     "EventType",
     "Hit",
+    "InProgress",
     "InvalidFilter",
     "InvalidImport",
     "InvalidInput",
     "Job",
     "JobStatus",
     "Kind",
+    "LLMOutputError",
+    "LLMRejected",
+    "LLMTimeout",
+    "LLMUnavailable",
     "Memory",
     "MemoryRecord",
     "Message",

@@ -18,8 +18,8 @@ LLM_STRUCTURED = ("auto", "json_schema", "json_object_schema", "json_object", "p
 
 
 def default_db_path() -> Path:
-    env = os.environ.get("ENGRAM_DB")
-    return Path(env) if env else Path.home() / ".engram" / "engram.db"
+    """Where the embedded default lives when neither `path` nor ENGRAM_DB says otherwise."""
+    return Path.home() / ".engram" / "engram.db"
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,44 @@ class Config:
     job_retries: int = 3                    # extra tries of a failed background job (with backoff)
     reflect_every: int | None = None        # with an LLM: queue a reflection every N episodes of a scope
 
+    # -- PostgreSQL tuning (ENGRAM_PG_*; read by store.postgres.PostgresStore.from_config) --------
+    # The lock timeout of a PostgreSQL write is `busy_timeout_s` (ENGRAM_BUSY_TIMEOUT).
+    pg_pool_size: int = 10                  # connections per process, shared by every tenant
+    pg_pool_wait_s: float | None = None     # wait for a free connection; None: busy_timeout_s
+    pg_statement_timeout_s: float | None = None  # None: max(60, 2 * busy_timeout_s)
+    pg_connect_timeout_s: float = 5.0       # to open a connection (the server is down past it)
+    pg_exact_limit: int = 2000              # dense search scans up to this many keys, then HNSW
+    pg_reclaim: str = "vacuum"              # after an erase: vacuum | full (VACUUM FULL) | none
+
+    @staticmethod
+    def _pg_env() -> tuple[tuple[str, str, Any], ...]:
+        """The ENGRAM_PG_* variables, as (field, variable, conversion) for `from_env`."""
+        return (("pg_pool_size", "ENGRAM_PG_POOL_SIZE", int),
+                ("pg_pool_wait_s", "ENGRAM_PG_POOL_WAIT", float),
+                ("pg_statement_timeout_s", "ENGRAM_PG_STATEMENT_TIMEOUT", float),
+                ("pg_connect_timeout_s", "ENGRAM_PG_CONNECT_TIMEOUT", float),
+                ("pg_exact_limit", "ENGRAM_PG_EXACT_LIMIT", int),
+                ("pg_reclaim", "ENGRAM_PG_RECLAIM", str))
+
+    def _pg_validated(self) -> None:
+        if self.pg_pool_size < 1:
+            raise InvalidInput("pg_pool_size must be positive")
+        for name in ("pg_pool_wait_s", "pg_statement_timeout_s", "pg_connect_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise InvalidInput(f"{name} must be positive")
+        if self.pg_exact_limit < 0:
+            raise InvalidInput("pg_exact_limit must be >= 0")
+        if self.pg_reclaim not in ("vacuum", "full", "none"):
+            raise InvalidInput("pg_reclaim must be one of vacuum, full, none")
+    # -- end of PostgreSQL tuning -----------------------------------------------------------------
+
     @classmethod
     def from_env(cls, **overrides: Any) -> Config:
         env = os.environ
         values: dict[str, Any] = {}
+        if env.get("ENGRAM_DB"):
+            values["path"] = env["ENGRAM_DB"]
         if "ENGRAM_EMBEDDER" in env:
             values["embedder"] = env["ENGRAM_EMBEDDER"]
         if "ENGRAM_RETRIEVAL" in env:
@@ -76,6 +110,7 @@ class Config:
             ("llm_output_retries", "ENGRAM_LLM_OUTPUT_RETRIES", int),
             ("job_retries", "ENGRAM_JOB_RETRIES", int),
             ("reflect_every", "ENGRAM_REFLECT_EVERY", int),
+            *cls._pg_env(),  # PostgreSQL tuning
         ):
             if env.get(key):
                 try:
@@ -113,4 +148,5 @@ class Config:
             raise InvalidInput("job_retries must be >= 0")
         if self.llm_structured not in LLM_STRUCTURED:
             raise InvalidInput(f"llm_structured must be one of {', '.join(LLM_STRUCTURED)}")
+        self._pg_validated()  # PostgreSQL tuning
         return self

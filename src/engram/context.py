@@ -14,15 +14,16 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from . import validate as valid
 from .errors import InvalidInput
-from .model import Kind, MemoryRecord
+from .model import Kind, MemoryRecord, Scope
+from .pipeline import read
+from .pipeline.engine import Engine
 from .providers.tokens import Tokenizer, get_tokenizer
 from .working.policies import View, fit, safe_starts
-
-if TYPE_CHECKING:
-    from .memory import Memory
+from .working.session import is_session_summary, stored_view
 
 BLOCK_NAMES = ("pinned", "facts", "procedures", "summaries", "episodes", "conversation")
 
@@ -181,31 +182,26 @@ def _scoped(records: Sequence[MemoryRecord], user_id: str | None,
             and (agent_id is None or r.scope.agent_id in (None, agent_id))]
 
 
-def _all(memory: Memory, **kwargs: Any) -> list[MemoryRecord]:
-    out: list[MemoryRecord] = []
-    cursor = None
-    while True:
-        page = memory.list(cursor=cursor, limit=500, **kwargs)
-        out += page.items
-        if page.next_cursor is None:
-            return out
-        cursor = page.next_cursor
+def _all(engine: Engine, scope: Scope, filters: Mapping[str, Any]) -> list[MemoryRecord]:
+    return read.every(engine.store, read.query(scope, filters, None, None))
 
 
-def _gather(memory: Memory, blocks: Sequence[Block], query: str, user_id: str | None,
+def _search(engine: Engine, query: str, scope: Scope, kinds: list[Kind], limit: int) -> list[MemoryRecord]:
+    return [h.memory for h in read.search(engine, query, read.query(scope, None, kinds, None), limit)]
+
+
+def _gather(engine: Engine, blocks: Sequence[Block], query: str, user_id: str | None,
             agent_id: str | None, view: View | None, avail: int, tokenizer: Tokenizer,
             ) -> dict[str, _Candidates]:
-    from .working.session import is_session_summary
-
     wanted = {b.name: b for b in blocks}
     found: dict[str, list[MemoryRecord]] = {}
     # Messages of this session are left out only where the conversation block shows them
     # (see `_take`): those its budget cuts away may come back as relevant episodes.
     seen: set[str] = set()
     if "pinned" in wanted:
-        pinned = _all(memory, user_id=user_id, filters={"pinned": True})
+        pinned = _all(engine, Scope(user_id=user_id), {"pinned": True})
         if agent_id is not None:
-            pinned += _all(memory, agent_id=agent_id, filters={"pinned": True})
+            pinned += _all(engine, Scope(agent_id=agent_id), {"pinned": True})
         pinned = _scoped(pinned, user_id, agent_id)
         found["pinned"] = list({r.id: r for r in pinned}.values())[:wanted["pinned"].limit]
         seen |= {r.id for r in found["pinned"]}
@@ -213,23 +209,21 @@ def _gather(memory: Memory, blocks: Sequence[Block], query: str, user_id: str | 
              if name in wanted]
     if kinds:
         n = sum(wanted[name].limit for name in ("facts", "procedures") if name in wanted)
-        hits = memory.search(query, user_id=user_id, agent_id=agent_id, kinds=kinds,
-                             limit=min(n, 1000))
-        recs = _scoped([h.memory for h in hits if h.memory.id not in seen], user_id, agent_id)
+        found_kinds = _search(engine, query, Scope(user_id, agent_id), kinds, min(n, 1000))
+        recs = _scoped([r for r in found_kinds if r.id not in seen], user_id, agent_id)
         for name, kind in (("facts", Kind.SEMANTIC), ("procedures", Kind.PROCEDURAL)):
             if name in wanted:
                 found[name] = [r for r in recs if r.kind is kind][:wanted[name].limit]
     if "summaries" in wanted:
-        recs = _scoped(_all(memory, user_id=user_id, agent_id=agent_id,
-                            filters={"engram": "session_summary"}), user_id, agent_id)
+        recs = _scoped(_all(engine, Scope(user_id, agent_id), {"engram": "session_summary"}),
+                       user_id, agent_id)
         recs.sort(key=lambda r: (r.observed_at or r.created_at), reverse=True)
         found["summaries"] = [r for r in recs if r.id not in seen][:wanted["summaries"].limit]
     if "episodes" in wanted:
         limit = min(wanted["episodes"].limit, max(10, math.ceil(avail / EPISODE_TOKENS)))
-        hits = memory.search(query, user_id=user_id, agent_id=agent_id, kinds=[Kind.EPISODIC],
-                             limit=limit)
-        found["episodes"] = _scoped([h.memory for h in hits if h.memory.id not in seen
-                                     and not is_session_summary(h.memory)], user_id, agent_id)
+        episodes = _search(engine, query, Scope(user_id, agent_id), [Kind.EPISODIC], limit)
+        found["episodes"] = _scoped([r for r in episodes if r.id not in seen
+                                     and not is_session_summary(r)], user_id, agent_id)
     out: dict[str, _Candidates] = {}
     for b in blocks:
         c = _Candidates(b)
@@ -376,13 +370,11 @@ def new_messages(query_or_messages: str | Sequence[Mapping[str, Any]]) -> tuple[
     return query, msgs
 
 
-def assemble(memory: Memory, query_or_messages: str | Sequence[Mapping[str, Any]], *,
+def assemble(engine: Engine, query_or_messages: str | Sequence[Mapping[str, Any]], *,
              user_id: str | None, agent_id: str | None, session_id: str | None,
              budget_tokens: int, blocks: Sequence[Block] | None, instructions: str | None,
              tokenizer: Tokenizer | None = None) -> Context:
-    from . import validate as valid
-    from .working.session import open_session
-
+    """The context for the next model call (see `Memory.context`)."""
     if isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int) or budget_tokens < 1:
         raise InvalidInput("budget_tokens must be a positive integer")
     if instructions is not None and not isinstance(instructions, str):
@@ -397,6 +389,7 @@ def assemble(memory: Memory, query_or_messages: str | Sequence[Mapping[str, Any]
         raise InvalidInput("each block may appear once")
     tok = tokenizer or get_tokenizer()
     query, new = new_messages(query_or_messages)
+    valid.text(query, engine.config.max_text_chars)
 
     # Fixed costs come first: the new message(s), the instructions, the system framing.
     base = [{"role": "system", "content": (instructions or "") + "\n\n" + PREAMBLE + "\n" + CLOSING},
@@ -409,10 +402,8 @@ def assemble(memory: Memory, query_or_messages: str | Sequence[Mapping[str, Any]
 
     view = None
     if session_id is not None and any(b.name == "conversation" for b in chosen):
-        handle = open_session(memory, session_id=session_id, user_id=user_id, agent_id=agent_id,
-                              policy=None, metadata=None, catch_up=False)
-        view = handle.view()
-    cands = _gather(memory, chosen, query, user_id, agent_id, view, avail, tok)
+        view = stored_view(engine.store, scope, tok)
+    cands = _gather(engine, chosen, query, user_id, agent_id, view, avail, tok)
     budgets = _allocate(cands, avail, tok)
 
     while True:

@@ -6,6 +6,7 @@
     │   └── InvalidImport     an export file that cannot be read back
     ├── NotFound              an unknown (or erased, or other-scope) memory id
     ├── Conflict              an idempotency key reused with a different request
+    ├── InProgress            the first request under an idempotency key is still running
     ├── StoreError            the database failed; the write did not happen
     │   ├── StoreBusy         the database stayed locked past the retry budget
     │   └── StoreUnavailable  the database cannot be reached (retry later)
@@ -47,7 +48,18 @@ class NotFound(EngramError, KeyError):
 
 class Conflict(EngramError):
     """The request conflicts with what is stored: an idempotency key already used for a
-    different request. Nothing was written."""
+    different request. Nothing was written. (A key whose first request is still running is
+    `InProgress`, not a conflict: the same request will succeed later.)"""
+
+
+class InProgress(EngramError):
+    """The first request under this idempotency key is still queued or running: ask again
+    after `retry_after` seconds (the service answers 409 with a Retry-After header). Nothing
+    was written."""
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class StoreError(EngramError):

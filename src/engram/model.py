@@ -210,6 +210,26 @@ class Session:
         return out
 
 
+def event(type: EventType, memory: MemoryRecord, at: datetime, *,
+          before: MemoryRecord | None = None, after: MemoryRecord | None = None,
+          reason: str | None = None) -> Event:
+    """The event of one change to `memory`, with snapshots of it before and after."""
+    return Event(id=new_id(), memory_id=memory.id, type=type, at=at, scope=memory.scope,
+                 before=before.to_dict() if before else None,
+                 after=after.to_dict() if after else None, reason=reason)
+
+
+class Unset:
+    """The type of `UNSET`: an argument not given, as opposed to an explicit None (`update`'s
+    `expires_at=None` clears the expiry; leaving it out keeps it)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = Unset()
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 

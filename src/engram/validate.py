@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .errors import InvalidInput
-from .model import Kind, Scope, as_utc
+from .model import Kind, Message, Scope, as_utc
 
 MAX_ID_CHARS = 256
 MAX_LIMIT = 1000
@@ -31,6 +31,46 @@ def utf8(value: str, what: str) -> str:
     if "\x00" in value:
         raise InvalidInput(f"{what} contains a NUL character")
     return value
+
+
+def text(value: Any, max_chars: int, what: str = "text") -> str:
+    """A memory's text: a non-blank string of at most `max_chars` (Config.max_text_chars)."""
+    if not isinstance(value, str):
+        raise InvalidInput(f"{what} must be a string, not {type(value).__name__}")
+    if not value.strip():
+        raise InvalidInput(f"{what} is empty")
+    if len(value) > max_chars:
+        raise InvalidInput(f"{what} has {len(value)} characters; the limit is {max_chars} "
+                           "(ENGRAM_MAX_TEXT_CHARS)")
+    return utf8(value, what)
+
+
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "observed_at", "metadata"})
+
+
+def message(m: Any, max_chars: int) -> Message:
+    """One message of `Memory.add`: a string (a user turn) or a mapping of `MESSAGE_FIELDS`."""
+    if isinstance(m, str):
+        return Message(content=text(m, max_chars))
+    if not isinstance(m, Mapping):
+        raise InvalidInput(f"a message must be a string or a mapping, not {type(m).__name__}")
+    unknown = set(m) - MESSAGE_FIELDS
+    if unknown:
+        raise InvalidInput(f"unknown message fields: {sorted(unknown)}")
+    if "content" not in m:
+        raise InvalidInput("a message needs a 'content'")
+    role = m.get("role", "user")
+    if not isinstance(role, str) or not role:
+        raise InvalidInput("a message 'role' must be a non-empty string")
+    name = m.get("name")
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise InvalidInput("a message 'name' must be a non-empty string")
+    utf8(role, "a message 'role'")
+    if name is not None:
+        utf8(name, "a message 'name'")
+    return Message(content=text(m["content"], max_chars), role=role, name=name,
+                   observed_at=moment(m.get("observed_at"), "observed_at"),
+                   metadata=metadata(m.get("metadata")))
 
 
 def scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:
@@ -93,12 +133,12 @@ def moment(value: Any, name: str) -> datetime | None:
     if not isinstance(value, datetime):
         raise InvalidInput(f"{name} must be a datetime or ISO-8601 string")
     try:
-        value = as_utc(value)
+        when = as_utc(value)
         # Stores keep times as epoch seconds: refuse what cannot be read back as a datetime.
-        datetime.fromtimestamp(value.timestamp(), UTC)
+        datetime.fromtimestamp(when.timestamp(), UTC)
     except (OverflowError, ValueError, OSError):
         raise InvalidInput(f"{name} {value!r} is outside the supported range of times") from None
-    return value
+    return when
 
 
 def importance(value: Any) -> float:
@@ -107,6 +147,12 @@ def importance(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
         raise InvalidInput("importance must be a number in [0, 1]")
     return float(value)
+
+
+def flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{name} must be a bool")
+    return value
 
 
 def limit(value: Any) -> int:

@@ -16,10 +16,10 @@ NOW = datetime(2025, 6, 1, 12, 0, 0, 123456, tzinfo=UTC)
 U1, S1 = Scope("u1"), Scope("u1", None, "s1")
 
 
-def job(kind: str = "add", *, scope: Scope = U1, key: str | None = None,
+def job(task: str = "add", *, scope: Scope = U1, key: str | None = None,
         run_at: datetime = NOW, **fields: object) -> Job:
     base: dict[str, object] = dict(
-        id=new_id(), kind=kind, scope=scope, payload={"messages": ["héllo ✓"], "n": 1},
+        id=new_id(), task=task, scope=scope, payload={"messages": ["héllo ✓"], "n": 1},
         status=JobStatus.QUEUED, created_at=NOW, updated_at=NOW, run_at=run_at, key=key,
         fingerprint="f1" if key else None)
     base.update(fields)

@@ -26,7 +26,7 @@ from hypothesis.stateful import (
 )
 
 from engram.filters import parse_filters
-from engram.model import Event, EventType, Kind, MemoryRecord, Scope, new_id
+from engram.model import Event, EventType, Job, JobStatus, Kind, MemoryRecord, Scope, new_id
 from engram.pipeline.text import content_hash
 from engram.store import Key, Lexical, Query, Store
 
@@ -172,6 +172,62 @@ def test_valid_to_and_as_of(store: Store) -> None:
     assert visible(store, q(as_of=NOW - timedelta(days=5))) == {new.id, future_end.id}
     assert visible(store, q(as_of=t0 - timedelta(seconds=1))) == set()
     assert visible(store, q(as_of=NOW + timedelta(days=2))) == {new.id}
+
+
+def test_every_read_path_applies_one_visibility_rule(store: Store) -> None:
+    """select, dense (the SQLite cache filters in numpy) and lexical see the same memories for
+    every query: deleted, expired, superseded, not yet valid, of another kind or scope."""
+    day = timedelta(days=1)
+    rs = {
+        "live": rec("zebra live"),
+        "deleted": rec("zebra deleted"),
+        "expired": rec("zebra expired", expires_at=NOW - day),
+        "expiring": rec("zebra expiring", expires_at=NOW + day),
+        "superseded": rec("zebra superseded", valid_from=NOW - 9 * day, valid_to=NOW - 3 * day),
+        "successor": rec("zebra successor", valid_from=NOW - 3 * day),
+        "future": rec("zebra future", valid_from=NOW + 2 * day),
+        "ending": rec("zebra ending", valid_from=NOW - 9 * day, valid_to=NOW + day),
+        "fact": rec("zebra fact", kind=Kind.SEMANTIC, metadata={"topic": "x"}),
+        "other": rec("zebra other", scope=Scope("u2")),
+    }
+    put(store, *rs.values(), vectors=[vec(1, 0.01 * i) for i in range(len(rs))])
+    with store.write() as tx:
+        tx.soft_delete([rs["deleted"].id], NOW)
+    names = {r.id: name for name, r in rs.items()}
+    cases = {
+        q(): {"live", "expiring", "successor", "future", "ending", "fact", "other"},
+        q(U1): {"live", "expiring", "successor", "future", "ending", "fact"},
+        q(now=NOW + 3 * day): {"live", "successor", "future", "fact", "other"},
+        q(as_of=NOW - 5 * day): {"superseded", "ending"},
+        q(as_of=NOW + 3 * day): {"live", "expiring", "successor", "future", "fact", "other"},
+        q(kinds=(Kind.SEMANTIC,)): {"fact"},
+        q(conditions=parse_filters({"topic": "x"})): {"fact"},
+        q(conditions=parse_filters({"topic": {"ne": "x"}}), as_of=NOW - 5 * day):
+            {"superseded", "ending"},
+    }
+    for query, expected in cases.items():
+        assert {names[r.id] for r in store.select(query, limit=100)} == expected, query
+        assert {names[m] for m, _ in store.dense(query, vec(1, 0), 100)} == expected, query
+        assert {names[m] for m, _ in store.lexical(query, ["zebra"], 100)} == expected, query
+    with store.write():  # inside a write the dense path checks candidates against the tables
+        for query, expected in cases.items():
+            assert {names[m] for m, _ in store.dense(query, vec(1, 0), 100)} == expected, query
+    assert store.stats(Scope(), NOW).memories == len(cases[q()])
+
+
+def test_reads_of_more_ids_than_one_statement_takes(store: Store) -> None:
+    records = [rec(f"bulk {i}") for i in range(1234)]
+    put(store, *records)
+    ids = [r.id for r in records]
+    assert store.get([*ids, "unknown"]) == {r.id: r for r in records}
+    assert set(store.candidates(ids[::-1])) == set(ids)
+    assert {r.id for r in store.select(q(), limit=5000)} == set(ids)
+    with store.write() as tx:
+        tx.soft_delete(ids[:700], NOW)
+    assert store.ids(Scope()) == ids[700:]
+    with store.write() as tx:
+        tx.erase(ids[:1000])
+    assert store.ids(Scope(), include_deleted=True) == ids[1000:]
 
 
 @pytest.fixture
@@ -412,10 +468,35 @@ def test_eviction_pool_is_the_visible_exact_scope(store: Store) -> None:
     sess = rec("c", scope=Scope("u1", session_id="s"))
     exp = rec("d", scope=Scope("u1"), expires_at=NOW - timedelta(seconds=1))
     gone = rec("e", scope=Scope("u1"))
-    put(store, a, b, sess, exp, gone)
+    old = rec("f", scope=Scope("u1"), kind=Kind.SEMANTIC, valid_to=NOW - timedelta(days=1))
+    put(store, a, b, sess, exp, gone, old)
     with store.write() as tx:
         tx.soft_delete([gone.id], NOW)
-    assert {r.id for r in store.eviction_pool(Scope("u1"), NOW)} == {a.id, b.id}
+    # superseded versions are in the pool too: eviction may take history first
+    assert {r.id for r in store.eviction_pool(Scope("u1"), NOW)} == {a.id, b.id, old.id}
+
+
+def test_episodes_around_an_episode_of_its_exact_scope(store: Store) -> None:
+    s = Scope("u1", session_id="s1")
+    t = NOW - timedelta(hours=1)
+    e = [rec(f"turn {i}", scope=s, valid_from=t + timedelta(minutes=i)) for i in range(6)]
+    tie = rec("same time as turn 2, stored later", scope=s, valid_from=e[2].valid_from)
+    gone = rec("deleted turn", scope=s, valid_from=t + timedelta(minutes=3, seconds=30))
+    fact = rec("a fact of the session", scope=s, kind=Kind.SEMANTIC, valid_from=e[2].valid_from)
+    other = rec("other session", scope=Scope("u1", session_id="s2"), valid_from=e[2].valid_from)
+    wider = rec("no session", scope=Scope("u1"), valid_from=e[2].valid_from)
+    put(store, *e, tie, gone, fact, other, wider)
+    with store.write() as tx:
+        tx.soft_delete([gone.id], NOW)
+    # oldest first on both sides; ties on the time go by insertion order
+    assert store.episodes_around(e[2].id, 2) == ([e[0], e[1]], [tie, e[3]])
+    assert store.episodes_around(tie.id, 2) == ([e[1], e[2]], [e[3], e[4]])
+    assert store.episodes_around(e[3].id, 1) == ([tie], [e[4]])  # the deleted turn is skipped
+    assert store.episodes_around(e[0].id, 9) == ([], [e[1], e[2], tie, e[3], e[4], e[5]])
+    assert store.episodes_around(e[5].id, 1) == ([e[4]], [])
+    assert store.episodes_around(wider.id, 3) == ([], [])  # alone in its exact scope
+    assert store.episodes_around(fact.id, 3) == ([], [])  # not an episode
+    assert store.episodes_around("unknown", 3) == ([], [])
 
 
 # -- soft delete / erase / events ------------------------------------------------------------
@@ -544,7 +625,28 @@ def test_stats(store: Store) -> None:
     assert (u1.memories, u1.deleted, u1.expired, u1.superseded, u1.events) == (2, 1, 1, 0, 5)
     assert u1.by_kind == {"episodic": 2}
     assert store.stats(Scope("nobody"), NOW).memories == 0
-    assert set(st.to_dict()) >= {"memories", "by_kind", "deleted", "events"}
+    assert set(st.to_dict()) >= {"memories", "by_kind", "deleted", "events", "jobs"}
+    assert st.jobs == {s.value: 0 for s in JobStatus}  # every status, even with no job
+
+
+def test_stats_count_jobs_per_status_in_the_scope(store: Store) -> None:
+    def job(scope: Scope, status: JobStatus) -> Job:
+        return Job(id=new_id(), task="add", scope=scope, payload={}, status=status,
+                   created_at=NOW, updated_at=NOW, run_at=NOW)
+
+    with store.write() as tx:
+        for scope, status in [(Scope("u1"), JobStatus.QUEUED), (Scope("u1"), JobStatus.QUEUED),
+                              (Scope("u1", session_id="s"), JobStatus.DONE),
+                              (Scope("u1"), JobStatus.FAILED), (Scope("u2"), JobStatus.QUEUED)]:
+            tx.put_job(job(scope, status))
+    assert store.stats(Scope(), NOW).jobs == {"queued": 3, "running": 0, "done": 1, "failed": 1}
+    assert store.stats(Scope("u1"), NOW).jobs == {"queued": 2, "running": 0, "done": 1, "failed": 1}
+    assert store.stats(Scope(session_id="s"), NOW).jobs == {"queued": 0, "running": 0, "done": 1,
+                                                           "failed": 0}
+    claimed = store.claim_job(NOW, NOW + timedelta(minutes=1))
+    assert claimed is not None
+    assert store.stats(Scope(), NOW).jobs["running"] == 1
+    assert store.stats(Scope(), NOW).jobs["queued"] == 2
 
 
 # -- transactions and migrations -------------------------------------------------------------
@@ -713,19 +815,19 @@ def test_store_state_machine(store_factory: Callable[[Path], Store]) -> None:
 
 def test_sqlite_upgrades_a_database_made_by_an_older_version(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engram.store import sqlite
+    from engram.store.sqlite import SQLiteStore, schema
 
     path = tmp_path / "old.db"
     with monkeypatch.context() as m:
-        m.setattr(sqlite, "MIGRATIONS", sqlite.MIGRATIONS[:1])
-        old = sqlite.SQLiteStore(path)
+        m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+        old = SQLiteStore(path)
         a, b = rec("apple"), rec("river")
         put(old, a, b, vectors=[vec(1, 0), vec(0, 1)])
-        assert old.migrations() == [sqlite.MIGRATIONS[0][0]]
+        assert old.migrations() == [schema.MIGRATIONS[0][0]]
         old.close()
-    new = sqlite.SQLiteStore(path)
+    new = SQLiteStore(path)
     try:
-        assert new.migrations() == [name for name, _ in sqlite.MIGRATIONS]
+        assert new.migrations() == [name for name, _ in schema.MIGRATIONS]
         assert new.get([a.id, b.id]) == {a.id: a, b.id: b}
         assert dict(new.dense(q(), vec(1, 0), 2)) == {a.id: pytest.approx(1.0, abs=1e-5),
                                                       b.id: pytest.approx(0.0, abs=1e-5)}

@@ -15,7 +15,7 @@ from . import output
 from .base import DbOpt, JsonOpt, State, config, guard, print_json, state
 
 if TYPE_CHECKING:
-    from ..store.keys import KeyStore
+    from ..server.keys import KeyStore
 
 keys_app = typer.Typer(help="Manage the REST service's API keys (stored hashed, shown once).",
                        no_args_is_help=True)
@@ -23,7 +23,7 @@ keys_app = typer.Typer(help="Manage the REST service's API keys (stored hashed, 
 
 @contextmanager
 def _key_store(st: State) -> Iterator[KeyStore]:
-    from ..store.keys import open_key_store
+    from ..server.keys import open_key_store
 
     with guard():
         keys = open_key_store(config(st))

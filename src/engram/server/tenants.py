@@ -1,5 +1,5 @@
 """One `Memory` per tenant, opened on first use and kept: all of them share one embedder
-(the model is the big part) and one `Config`.
+(the model is the big part), one `Config` and, on PostgreSQL, one connection pool.
 
 The tenant `None` is the single-user database itself (`engram serve --no-auth`), so the
 service and the CLI see the same memories.
@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
+from .. import Memory
 from ..config import Config
 from ..errors import StoreUnavailable
-from ..memory import Memory
-from ..providers.embedders import Embedder
+from ..store import Stores
+
+if TYPE_CHECKING:
+    from ..providers.embedders import Embedder
 
 
 class Tenants:
@@ -24,7 +27,7 @@ class Tenants:
         self._open: dict[str | None, Memory] = {}
         self._lock = threading.Lock()
         self._opening: dict[str | None, threading.Lock] = {}
-        self._base: Any = None  # on PostgreSQL: one connection pool shared by every tenant
+        self._stores = Stores(config)  # on PostgreSQL: one connection pool for every tenant
 
     def get(self, tenant: str | None) -> Memory:
         mem = self._open.get(tenant)
@@ -37,26 +40,13 @@ class Tenants:
             if mem is None:
                 try:
                     mem = Memory(config=self.config, tenant=tenant, embedder=self.embedder,
-                                 store=self._shared_store(tenant))
+                                 store=self._stores.open(tenant))
                 except OSError as exc:
                     # e.g. the data directory is gone or not writable: the database cannot be
                     # reached. Nothing is cached, so the next request tries again.
                     raise StoreUnavailable(f"cannot open the tenant's database: {exc}") from exc
                 self._open[tenant] = mem
         return mem
-
-    def _shared_store(self, tenant: str | None) -> Any:
-        """On PostgreSQL, the tenant's view of one shared pool (a pool per tenant would hold
-        idle connections for every tenant ever served); None on SQLite (a file per tenant)."""
-        if not self.config.database_url:
-            return None
-        with self._lock:
-            if self._base is None:
-                from ..store.postgres import PostgresStore
-
-                self._base = PostgresStore(self.config.database_url,
-                                           busy_timeout_s=self.config.busy_timeout_s)
-        return self._base.for_tenant(tenant or "")
 
     def __iter__(self) -> Iterator[Memory]:
         return iter(list(self._open.values()))
@@ -66,6 +56,4 @@ class Tenants:
             for mem in self._open.values():
                 mem.close()
             self._open.clear()
-            if self._base is not None:
-                self._base.close()
-                self._base = None
+        self._stores.close()

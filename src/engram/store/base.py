@@ -1,22 +1,32 @@
-"""The storage contract: a few primitive operations every backend implements.
+"""The storage contract: the `Store` and `Tx` protocols, and `StoreBase`, which writes every
+convenience once above the few primitive operations a backend implements.
 
-Reads take a `Query` (a plain value: scope, kinds, filters, time) that each backend compiles
-to its own SQL; writes happen inside `write()`, one transaction that either commits whole or
-leaves nothing. Everything else (consolidation, ranking, forgetting) lives above the store.
+Reads take a value (`Query`, `Select`) that each backend compiles to its own SQL; writes happen
+inside `write()`, one transaction that either commits whole or leaves nothing. Everything else
+(consolidation, ranking, forgetting) lives above the store.
+
+A backend implements 15 primitives (`write`, `close`, `migrations`, `read_memories`,
+`read_ids`, `candidates`, `dense`, `lexical`, `events`, `read_jobs`, `claim_job`,
+`read_sessions`, `stats`, `touch`, `reclaim`) and inherits 13 conveniences from `StoreBase`
+(`get`, `select`, `ids`, `find_hash`, `recent_episodes`, `episodes_around`, `eviction_pool`,
+`iter_export`, `job`, `job_by_key`, `jobs`, `session`, `sessions`). Its `Tx` implements the
+nine writes of `Tx`.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any, Protocol
+from enum import StrEnum
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from ..filters import Condition
-from ..model import Event, Job, Kind, MemoryRecord, Scope, Session
+from ..model import Event, Job, JobStatus, Kind, MemoryRecord, Scope, Session
 
 
 @dataclass(frozen=True)
@@ -25,7 +35,7 @@ class Query:
 
     Visible means: in `scope` (None fields match anything), not deleted, not expired at `now`,
     of one of `kinds`, matching every filter condition, and valid at `as_of` when given
-    (otherwise current: not superseded).
+    (otherwise current: not superseded at `now`).
     """
 
     scope: Scope
@@ -33,6 +43,49 @@ class Query:
     kinds: tuple[Kind, ...] | None = None
     conditions: tuple[Condition, ...] = ()
     as_of: datetime | None = None
+
+
+class Seen(StrEnum):
+    """How much of the stored history a read sees; each level hides what the one before shows."""
+
+    ALL = "all"              # every stored row: deleted, expired and superseded ones too
+    LIVE = "live"            # not deleted
+    UNEXPIRED = "unexpired"  # not deleted, not expired at `now`
+    VISIBLE = "visible"      # ... and valid at `as_of`, or else current (not superseded) at `now`
+
+
+Order = Literal["id", "newest", "oldest"]
+
+
+@dataclass(frozen=True)
+class Select:
+    """One read of memory rows: the value every record read of the contract is built from.
+
+    `exact`: the scope itself, a None field meaning NULL (not "anything"). `before` / `after`
+    name an episode: rows observed before (after) it, ties broken by insertion order. Orders:
+    `id` (creation), `newest` / `oldest` (by observation time, then insertion).
+    """
+
+    scope: Scope = Scope()
+    exact: bool = False
+    seen: Seen = Seen.LIVE
+    now: datetime | None = None
+    as_of: datetime | None = None
+    kinds: tuple[Kind, ...] | None = None
+    conditions: tuple[Condition, ...] = ()
+    ids: tuple[str, ...] | None = None
+    content_hash: str | None = None
+    after_id: str | None = None
+    before: str | None = None
+    after: str | None = None
+    order: Order | None = "id"  # None: any order (a lookup by ids)
+    limit: int | None = None
+
+    @classmethod
+    def of(cls, query: Query, **fields: Any) -> Select:
+        """The rows `query` may see."""
+        return cls(scope=query.scope, seen=Seen.VISIBLE, now=query.now, as_of=query.as_of,
+                   kinds=query.kinds, conditions=query.conditions, **fields)
 
 
 @dataclass(frozen=True)
@@ -71,6 +124,10 @@ class Lexical:
 
 @dataclass(frozen=True)
 class Stats:
+    """Counts of a scope: `memories` visible now (`by_kind`), hidden ones by why, the history,
+    the distinct scopes, the background jobs by status (every `JobStatus`), the database size
+    (None where this scope's share is unknown)."""
+
     memories: int
     by_kind: dict[str, int]
     deleted: int
@@ -78,10 +135,16 @@ class Stats:
     expired: int
     events: int
     scopes: int
+    jobs: dict[str, int]
     db_bytes: int | None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def job_counts(found: dict[str, int]) -> dict[str, int]:
+    """Jobs per status with every status present (0 when none)."""
+    return {s.value: int(found.get(s.value, 0)) for s in JobStatus}
 
 
 class Tx(Protocol):
@@ -117,9 +180,32 @@ class Tx(Protocol):
 
 
 class Store(Protocol):
+    """What the layers above call. Backends get it by subclassing `StoreBase`: they implement
+    the primitives (`write`, `close`, `migrations`, the `read_*` reads, `candidates`, `dense`,
+    `lexical`, `events`, `claim_job`, `stats`, `touch`, `reclaim`) and inherit the rest."""
+
     def write(self) -> AbstractContextManager[Tx]: ...
 
     def close(self) -> None: ...
+
+    def migrations(self) -> list[str]:
+        """The names of the schema migrations applied to the database, in order."""
+
+    def read_memories(self, sel: Select) -> list[MemoryRecord]:
+        """The records `sel` selects, in its order: the one read every record read below is
+        built on (a new kind of read is a new `Select`, not a new method)."""
+
+    def read_ids(self, sel: Select) -> list[str]:
+        """The ids of the records `sel` selects, in its order."""
+
+    def read_jobs(self, *, id: str | None = None, key: str | None = None,
+                  scope: Scope | None = None, status: str | None = None,
+                  limit: int | None = None) -> list[Job]:
+        """Jobs matching every given field (scope: None fields match anything), newest first."""
+
+    def read_sessions(self, scope: Scope, *, exact: bool, limit: int) -> list[Session]:
+        """Sessions of `scope` (exactly it, or None fields matching anything), most recently
+        updated first."""
 
     def get(self, ids: Sequence[str]) -> dict[str, MemoryRecord]:
         """Stored records by id, whatever their state (deleted, expired, superseded)."""
@@ -140,7 +226,7 @@ class Store(Protocol):
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
-        """Visible memories matching any of `terms` by BM25 (higher is better), the context
+        """Visible memories matching any of `terms` by BM25 (higher is better), the
         `previous` column weighted by `previous_weight` against the body."""
 
     def find_hash(self, scope: Scope, kind: Kind, content_hash: str,
@@ -148,16 +234,17 @@ class Store(Protocol):
         """A visible, current memory of exactly this scope and kind with this content hash."""
 
     def recent_episodes(self, scope: Scope, n: int) -> list[MemoryRecord]:
-        """The `n` most recently observed visible episodes of exactly this scope, newest first."""
+        """The `n` most recently observed live episodes of exactly this scope, newest first."""
 
     def episodes_around(self, id: str, n: int) -> tuple[list[MemoryRecord], list[MemoryRecord]]:
-        """Up to `n` visible episodes of the same scope just before and just after the episode
+        """Up to `n` live episodes of the same scope just before and just after the episode
         `id`, each list oldest first (their index holds `id` as context)."""
 
     def eviction_pool(self, scope: Scope, now: datetime) -> list[MemoryRecord]:
-        """Visible memories of exactly this scope, for capacity eviction."""
+        """Unexpired memories of exactly this scope (superseded ones too), for eviction."""
 
-    def events(self, memory_id: str) -> list[Event]: ...
+    def events(self, memory_id: str) -> list[Event]:
+        """The history of a memory, in append order."""
 
     def touch(self, ids: Sequence[str], at: datetime) -> None:
         """Best effort: count an access (never blocks on a busy database)."""
@@ -166,7 +253,7 @@ class Store(Protocol):
 
     def iter_export(self, scope: Scope) -> Iterator[tuple[MemoryRecord, list[Event]]]: ...
 
-    # -- jobs (the durable queue; see pipeline/jobs) ------------------------------------------
+    # -- jobs (the durable queue) --------------------------------------------------------------
 
     def job(self, id: str) -> Job | None: ...
 
@@ -190,3 +277,132 @@ class Store(Protocol):
 
     def reclaim(self) -> None:
         """Make erased bytes unrecoverable from the files (checkpoint, purge free pages)."""
+
+
+EXPORT_CHUNK = 500  # records read per statement while exporting
+
+
+class StoreBase(ABC):
+    """The conveniences of `Store`, each written once over the primitives a backend implements
+    (the abstract methods below). Both backends inherit it."""
+
+    # -- primitives ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def write(self) -> AbstractContextManager[Any]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def migrations(self) -> list[str]: ...
+
+    @abstractmethod
+    def read_memories(self, sel: Select) -> list[MemoryRecord]:
+        """The records `sel` selects, in its order."""
+
+    @abstractmethod
+    def read_ids(self, sel: Select) -> list[str]:
+        """The ids of the records `sel` selects, in its order."""
+
+    @abstractmethod
+    def candidates(self, ids: Sequence[str]) -> dict[str, Candidate]: ...
+
+    @abstractmethod
+    def dense(self, query: Query, vector: np.ndarray, k: int,
+              key: str = "text") -> list[tuple[str, float]]: ...
+
+    @abstractmethod
+    def lexical(self, query: Query, terms: Sequence[str], k: int,
+                previous_weight: float = 0.5) -> list[tuple[str, float]]: ...
+
+    @abstractmethod
+    def events(self, memory_id: str) -> list[Event]: ...
+
+    @abstractmethod
+    def read_jobs(self, *, id: str | None = None, key: str | None = None,
+                  scope: Scope | None = None, status: str | None = None,
+                  limit: int | None = None) -> list[Job]:
+        """Jobs matching every given field (scope: None fields match anything), newest first."""
+
+    @abstractmethod
+    def claim_job(self, now: datetime, lease_until: datetime) -> Job | None: ...
+
+    @abstractmethod
+    def read_sessions(self, scope: Scope, *, exact: bool, limit: int) -> list[Session]:
+        """Sessions of `scope` (exactly it, or None fields matching anything), most recently
+        updated first."""
+
+    @abstractmethod
+    def stats(self, scope: Scope, now: datetime) -> Stats: ...
+
+    @abstractmethod
+    def touch(self, ids: Sequence[str], at: datetime) -> None: ...
+
+    @abstractmethod
+    def reclaim(self) -> None: ...
+
+    # -- conveniences --------------------------------------------------------------------------
+
+    def get(self, ids: Sequence[str]) -> dict[str, MemoryRecord]:
+        if not ids:
+            return {}
+        found = self.read_memories(Select(ids=tuple(ids), seen=Seen.ALL, order=None))
+        return {r.id: r for r in found}
+
+    def select(self, query: Query, *, after_id: str | None = None,
+               limit: int = 50) -> list[MemoryRecord]:
+        return self.read_memories(Select.of(query, after_id=after_id, limit=limit))
+
+    def ids(self, scope: Scope, *, include_deleted: bool = False) -> list[str]:
+        return self.read_ids(Select(scope=scope, seen=Seen.ALL if include_deleted else Seen.LIVE))
+
+    def find_hash(self, scope: Scope, kind: Kind, content_hash: str,
+                  now: datetime) -> MemoryRecord | None:
+        found = self.read_memories(Select.of(Query(scope, now, kinds=(kind,)), exact=True,
+                                             content_hash=content_hash, order=None, limit=1))
+        return found[0] if found else None
+
+    def recent_episodes(self, scope: Scope, n: int) -> list[MemoryRecord]:
+        return self.read_memories(Select(scope=scope, exact=True, kinds=(Kind.EPISODIC,),
+                                         order="newest", limit=n))
+
+    def episodes_around(self, id: str, n: int) -> tuple[list[MemoryRecord], list[MemoryRecord]]:
+        anchor = self.get([id]).get(id)
+        if anchor is None or anchor.kind is not Kind.EPISODIC:
+            return [], []
+        same = Select(scope=anchor.scope, exact=True, kinds=(Kind.EPISODIC,), limit=n)
+        before = self.read_memories(replace(same, before=id, order="newest"))
+        after = self.read_memories(replace(same, after=id, order="oldest"))
+        return before[::-1], after
+
+    def eviction_pool(self, scope: Scope, now: datetime) -> list[MemoryRecord]:
+        return self.read_memories(Select(scope=scope, exact=True, seen=Seen.UNEXPIRED, now=now,
+                                         order=None))
+
+    def iter_export(self, scope: Scope) -> Iterator[tuple[MemoryRecord, list[Event]]]:
+        ids = self.ids(scope, include_deleted=True)
+        for i in range(0, len(ids), EXPORT_CHUNK):
+            chunk = ids[i:i + EXPORT_CHUNK]
+            records = self.get(chunk)
+            for mid in chunk:
+                yield records[mid], self.events(mid)
+
+    def job(self, id: str) -> Job | None:
+        found = self.read_jobs(id=id)
+        return found[0] if found else None
+
+    def job_by_key(self, key: str) -> Job | None:
+        found = self.read_jobs(key=key)
+        return found[0] if found else None
+
+    def jobs(self, scope: Scope, *, status: str | None = None, limit: int = 50) -> list[Job]:
+        return self.read_jobs(scope=scope, status=status, limit=limit)
+
+    def session(self, scope: Scope) -> Session | None:
+        found = self.read_sessions(scope, exact=True, limit=1)
+        return found[0] if found else None
+
+    def sessions(self, scope: Scope, *, limit: int = 50) -> list[Session]:
+        return self.read_sessions(scope, exact=False, limit=limit)
+

@@ -7,19 +7,25 @@ that fails or lags only means more messages are shown verbatim: none is ever los
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
-from ..errors import InvalidInput, NotFound, ProviderError
-from ..model import Event, EventType, Kind, MemoryRecord, Scope, Session, new_id, utcnow
+from .. import validate as valid
+from ..errors import InvalidInput, ProviderError
+from ..jobs import Queue
+from ..model import EventType, Kind, MemoryRecord, Scope, Session, event, new_id, utcnow
+from ..pipeline import erase, learn
+from ..pipeline import extract as extraction
+from ..pipeline.index import index
+from ..pipeline.learn import SUMMARY_MARK
 from ..pipeline.text import content_hash
+from ..pipeline.write import AddRequest
 from ..providers.tokens import Tokenizer, get_tokenizer
-from ..store import Query
+from ..store import Query, Store
 from .policies import (
     DEFAULT_POLICY,
     Digests,
@@ -35,21 +41,46 @@ from .policies import (
 from .policies import apply as apply_fold
 from .summarize import Summarizer
 
-if TYPE_CHECKING:
-    from ..memory import Memory
-    from ..providers.llms import LLM
-
 log = logging.getLogger("engram.working")
-T = TypeVar("T")
 
 ROLES = ("user", "assistant", "system", "tool")
-SUMMARY_MARK = "session_summary"  # metadata["engram"] of a session's end-of-session summary
 END_SUMMARY_TOKENS = 400
 PAGE = 500
 
 
 def is_session_summary(rec: MemoryRecord) -> bool:
     return rec.metadata.get("engram") == SUMMARY_MARK
+
+
+def records(store: Store, scope: Scope, after: str | None = None) -> list[MemoryRecord]:
+    """The messages of the session of exactly `scope` after the id `after`, oldest first."""
+    q = Query(scope=scope, now=utcnow(), kinds=(Kind.EPISODIC,))
+    out: list[MemoryRecord] = []
+    cursor = after
+    while True:
+        page = store.select(q, after_id=cursor, limit=PAGE)
+        out += [r for r in page if r.scope == scope and not is_session_summary(r)]
+        if len(page) < PAGE:
+            return out
+        cursor = page[-1].id
+
+
+def digests(row: Session | None) -> Digests:
+    return Digests() if row is None else Digests.load(row.summary, row.summary_upto, row.state)
+
+
+def stored_view(store: Store, scope: Scope, tokenizer: Tokenizer) -> View:
+    """What the stored policy of the session of `scope` shows the model now (nothing, for a
+    session that does not exist): a read, for context assembly."""
+    row = store.session(scope)
+    policy = from_dict(row.policy) if row is not None and row.policy else DEFAULT_POLICY
+    return _view(store, scope, policy, digests(row), tokenizer)
+
+
+def _view(store: Store, scope: Scope, policy: Policy, stored: Digests, tokenizer: Tokenizer) -> View:
+    shown = stored if policy.summarizes else Digests()
+    pending = [to_session_message(r) for r in records(store, scope, shown.upto)]
+    return view(policy, shown, pending, tokenizer.count_message)
 
 
 def to_session_message(rec: MemoryRecord) -> SessionMessage:
@@ -103,15 +134,15 @@ class SessionHandle:
     are safe too: summaries are written only if nobody advanced them meanwhile.
     """
 
-    def __init__(self, memory: Memory, scope: Scope, policy: Policy, *,
-                 tokenizer: Tokenizer | None = None, llm: LLM | None | Callable[[], LLM | None] = None,
-                 metadata: Mapping[str, Any] | None = None) -> None:
-        self.memory = memory
+    def __init__(self, queue: Queue, scope: Scope, policy: Policy, *,
+                 tokenizer: Tokenizer | None = None, metadata: Mapping[str, Any] | None = None,
+                 ) -> None:
+        self._queue = queue  # messages are added the way `Memory.add` adds them
+        self._engine = queue.engine
         self._metadata = dict(metadata) if metadata is not None else None  # for a new row
         self.scope = scope
         self._policy = policy
         self.tokenizer = tokenizer or get_tokenizer()
-        self._llm = llm
         self._summarizer: Summarizer | None = None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -141,7 +172,7 @@ class SessionHandle:
 
     def info(self) -> Session:
         """The stored session (or, before the first message, the one that would be stored)."""
-        row = self.memory.store.session(self.scope)
+        row = self._engine.store.session(self.scope)
         if row is None:
             now = utcnow()
             return Session(scope=self.scope, policy=self._policy.to_dict(), created_at=now,
@@ -150,8 +181,8 @@ class SessionHandle:
 
     def _save_settings(self, metadata: Mapping[str, Any] | None) -> None:
         """Store a changed policy or metadata on an existing session."""
-        with self.memory.store.write() as tx:
-            row = self.memory.store.session(self.scope)
+        with self._engine.store.write() as tx:
+            row = self._engine.store.session(self.scope)
             if row is None:
                 return
             changed = replace(row, policy=self._policy.to_dict(),
@@ -176,12 +207,13 @@ class SessionHandle:
         if not items:
             raise InvalidInput("messages is empty")
         now = utcnow()
-        episodes = [to_episode(m, now) for m in items]
-        s = self.scope
-        result = self.memory.add(episodes, user_id=s.user_id, agent_id=s.agent_id,
-                                 session_id=s.session_id, infer=False)
-        with self.memory.store.write() as tx:
-            row = self.memory.store.session(self.scope)
+        req = AddRequest.build(
+            [to_episode(m, now) for m in items], self.scope, metadata=None, observed_at=None,
+            infer=False, kind=None, importance=None, expires_at=None,
+            max_text_chars=self._engine.config.max_text_chars)
+        result = self._queue.add(req, key=None, background=False)
+        with self._engine.store.write() as tx:
+            row = self._engine.store.session(self.scope)
             if row is None:
                 row = Session(scope=self.scope, policy=self._policy.to_dict(), created_at=now,
                               updated_at=now, metadata=self._metadata or {})
@@ -193,39 +225,24 @@ class SessionHandle:
     # -- read --------------------------------------------------------------------------------
 
     def _records(self, after: str | None = None) -> list[MemoryRecord]:
-        """The session's messages after the id `after`, oldest first."""
-        q = Query(scope=self.scope, now=utcnow(), kinds=(Kind.EPISODIC,))
-        out: list[MemoryRecord] = []
-        cursor = after
-        while True:
-            page = self.memory.store.select(q, after_id=cursor, limit=PAGE)
-            out += [r for r in page if r.scope == self.scope and not is_session_summary(r)]
-            if len(page) < PAGE:
-                return out
-            cursor = page[-1].id
+        return records(self._engine.store, self.scope, after)
 
     def messages(self) -> list[SessionMessage]:
         """Every message of the session, oldest first."""
         return [to_session_message(r) for r in self._records()]
 
     def digests(self) -> Digests:
-        row = self.memory.store.session(self.scope)
-        if row is None:
-            return Digests()
-        return Digests.load(row.summary, row.summary_upto, row.state)
+        return digests(self._engine.store.session(self.scope))
 
     def view(self) -> View:
         """What the policy shows the model now: summaries, then the verbatim messages."""
-        digests = self.digests() if self._policy.summarizes else Digests()
-        pending = [to_session_message(r) for r in self._records(digests.upto)]
-        return view(self._policy, digests, pending, self.tokenizer.count_message)
+        return _view(self._engine.store, self.scope, self._policy, self.digests(), self.tokenizer)
 
     # -- summaries ---------------------------------------------------------------------------
 
     def _get_summarizer(self) -> Summarizer:
         if self._summarizer is None:
-            llm = self._llm() if callable(self._llm) else self._llm
-            self._summarizer = Summarizer(self.memory.embedder, self.tokenizer, llm)
+            self._summarizer = Summarizer(self._engine.embedder, self.tokenizer, self._engine.llm)
         return self._summarizer
 
     def _schedule(self) -> None:
@@ -264,7 +281,7 @@ class SessionHandle:
         """Bring the summaries up to date now, in this thread. Returns the folds written."""
         if not self._policy.summarizes:
             return 0
-        store = self.memory.store
+        store = self._engine.store
         done = 0
         while True:
             row = store.session(self.scope)
@@ -303,7 +320,7 @@ class SessionHandle:
         With no LLM the summary is extractive and extraction stores nothing new.
         """
         self.wait()
-        store = self.memory.store
+        store = self._engine.store
         row = store.session(self.scope)
         if row is None:
             return None
@@ -329,9 +346,7 @@ class SessionHandle:
 
     def _write_summary(self, row: Session, records: list[MemoryRecord], text: str,
                        mode: str) -> MemoryRecord:
-        from ..memory import _event
-
-        store = self.memory.store
+        store = self._engine.store
         now = utcnow()
         first, last = records[0], records[-1]
         rec = MemoryRecord(
@@ -342,16 +357,16 @@ class SessionHandle:
             observed_at=last.observed_at or last.created_at,
             valid_from=last.observed_at or now, provenance=tuple(r.id for r in records),
             content_hash=content_hash(text))
-        keys, lexical = self.memory._index([rec])[rec.id]
+        keys, lexical = index(self._engine, [rec])[rec.id]
         previous_id = row.state.get("summary_id")
         with store.write() as tx:
             tx.insert(rec, keys, lexical)
-            tx.append(_event(EventType.ADD, rec, now, after=rec, reason="end of session summary"))
+            tx.append(event(EventType.ADD, rec, now, after=rec, reason="end of session summary"))
             old = store.get([previous_id]).get(previous_id) if previous_id else None
             if old is not None and old.deleted_at is None and old.superseded_by is None:
                 newer = replace(old, valid_to=now, superseded_by=rec.id, updated_at=now)
                 tx.update(newer)
-                tx.append(_event(EventType.SUPERSEDE, newer, now, before=old, after=newer,
+                tx.append(event(EventType.SUPERSEDE, newer, now, before=old, after=newer,
                                  reason="the session went on; a new summary covers it"))
             cur = store.session(self.scope) or row
             tx.put_session(replace(cur, ended_at=now, state={
@@ -361,108 +376,44 @@ class SessionHandle:
         return rec
 
     def _extract(self) -> None:
-        extract = getattr(self.memory, "extract", None)  # LLM extraction (lifecycle issue)
-        if extract is None:
-            return
-        s = self.scope
         try:
-            extract(user_id=s.user_id, agent_id=s.agent_id, session_id=s.session_id)
+            learn.learn_from(self._engine, self.scope, extraction.EXTRACT, None)
         except ProviderError as exc:
             log.warning("session %s: extraction failed, the episodes are kept: %s", self.id, exc)
 
     def delete(self) -> int:
-        """Erase the session: its messages, its summaries and its row. Returns how many
-        memories were erased. Facts extracted from it into the user's scope stay."""
+        """Erase the session: its messages, its summaries, its row, its jobs and the memories
+        derived from it (facts extracted into the user's scope too). Returns how many memories
+        were erased; NotFound if the session does not exist."""
         self.wait()
-        store = self.memory.store
-        ids = store.ids(self.scope, include_deleted=True)
-        records = store.get(ids)
-        mine = [i for i in ids if i in records and records[i].scope == self.scope]
-        if not mine and store.session(self.scope) is None:
-            raise NotFound(f"no session {self.id!r} in this scope")
-        now = utcnow()
-        with store.write() as tx:
-            tx.erase(mine)
-            tx.delete_session(self.scope)
-            tx.append(Event(id=new_id(), memory_id=None, type=EventType.ERASE, at=now,
-                            scope=self.scope, reason=f"session deleted: {len(mine)} memories"))
-        store.reclaim()
-        log.info("session %s deleted (%d memories)", self.id, len(mine))
-        return len(mine)
+        return erase.session(self._engine, self.scope)
 
 
-def reset_summaries(store: Any, tx: Any, scope: Scope) -> bool:
-    """Drop the running summaries of the session of `scope` (inside the caller's write
-    transaction), so they are rebuilt from the messages that remain: for `Memory.erase` of one
-    message, whose text a summary may quote. Returns whether there was anything to drop."""
-    row = store.session(scope)
-    if row is None or not (row.summary or row.summary_upto or row.state.get("levels")):
-        return False
-    state = {k: v for k, v in row.state.items() if k not in ("levels", "folded", "mode")}
-    tx.put_session(replace(row, summary="", summary_upto=None, state=state))
-    return True
-
-
-# -- the Memory methods delegate here ----------------------------------------------------------
-
-def open_session(memory: Memory, *, session_id: str | None, user_id: str | None,
+def open_session(queue: Queue, *, session_id: str | None, user_id: str | None,
                  agent_id: str | None, policy: Policy | Mapping[str, Any] | str | None,
-                 metadata: Mapping[str, Any] | None, catch_up: bool = True) -> SessionHandle:
-    from .. import validate as valid
-
+                 metadata: Mapping[str, Any] | None) -> SessionHandle:
+    """The handle of a stored session (its stored policy unless `policy` is given) or of a new
+    one (no `session_id`: a new id). A resumed session catches up on its summaries in the
+    background (after a crash, they may lag)."""
     scope = valid.scope(user_id, agent_id, session_id if session_id is not None else new_id())
     wanted = as_policy(policy)
     meta = valid.metadata(metadata) if metadata is not None else None
-    row = memory.store.session(scope)
+    row = queue.engine.store.session(scope)
     stored = from_dict(row.policy) if row is not None and row.policy else None
     chosen = wanted or stored or DEFAULT_POLICY
 
-    handle = SessionHandle(memory, scope, chosen, llm=getattr(memory, "llm", None), metadata=meta)
-    memory._sessions.add(handle)  # so that Memory.close() lets its summaries finish
+    handle = SessionHandle(queue, scope, chosen, metadata=meta)
     if row is not None and (chosen != stored or (meta is not None and meta != row.metadata)):
         handle._save_settings(meta)
-    if catch_up and row is not None and chosen.summarizes:
-        handle._schedule()  # a session resumed after a crash catches up on its summaries
+    if row is not None and chosen.summarizes:
+        handle._schedule()
     return handle
 
 
-def list_sessions(memory: Memory, *, user_id: str | None, agent_id: str | None,
+def list_sessions(memory: Any, *, user_id: str | None, agent_id: str | None,
                   session_id: str | None = None, limit: int = 50) -> list[Session]:
-    from .. import validate as valid
-
-    return memory.store.sessions(valid.scope(user_id, agent_id, session_id), limit=valid.limit(limit))
-
-
-class AsyncSessionHandle:
-    """`SessionHandle` with coroutine methods (the same code, in a worker thread)."""
-
-    def __init__(self, handle: SessionHandle) -> None:
-        self.sync = handle
-
-    @property
-    def id(self) -> str:
-        return self.sync.id
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.to_thread(fn, *args)
-
-    async def add(self, messages: Any) -> list[MemoryRecord]:
-        return await self._run(self.sync.add, messages)
-
-    async def messages(self) -> list[SessionMessage]:
-        return await self._run(self.sync.messages)
-
-    async def view(self) -> View:
-        return await self._run(self.sync.view)
-
-    async def wait(self, timeout: float | None = None) -> bool:
-        return await self._run(self.sync.wait, timeout)
-
-    async def end(self) -> MemoryRecord | None:
-        return await self._run(self.sync.end)
-
-    async def delete(self) -> int:
-        return await self._run(self.sync.delete)
-
-    async def info(self) -> Session:
-        return await self._run(self.sync.info)
+    """Until server/routes.py calls `Memory.sessions(session_id=...)` (the faces' change at
+    merge): the same, for the one caller left. Delete with that change."""
+    result: list[Session] = memory.sessions(user_id=user_id, agent_id=agent_id,
+                                            session_id=session_id, limit=limit)
+    return result

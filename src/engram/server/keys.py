@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import sqlite3
-import threading
 from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import InvalidInput, NotFound, StoreError, StoreUnavailable
+from ..errors import InvalidInput, NotFound, StoreUnavailable
 from ..model import utcnow
+from ..store.sqlite import Connections
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -73,7 +72,7 @@ class KeyStore(Protocol):
 
 def open_key_store(config: Config) -> KeyStore:
     if config.database_url:
-        return PostgresKeyStore(config.database_url)
+        return PostgresKeyStore(config.database_url, connect_timeout_s=config.pg_connect_timeout_s)
     return SQLiteKeyStore(config.path.parent / "keys.db")
 
 
@@ -117,78 +116,43 @@ CREATE TABLE IF NOT EXISTS api_keys (
 
 
 class SQLiteKeyStore:
-    """Keys in their own SQLite file (the tenants' memories are in other files)."""
+    """Keys in their own SQLite file (the tenants' memories are in other files), over the
+    SQLite store's connection layer."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._local = threading.local()
-        self._conns: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
+        self._db = Connections(self.path, busy_timeout_s=10.0, label=f"the key store {self.path}")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self._tx() as conn:
+            with self._db.transaction() as conn:
                 conn.execute(_SQLITE_SCHEMA)
         except OSError as exc:
             raise StoreUnavailable(f"cannot open the key store {self.path}: {exc}") from exc
 
-    def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            try:
-                conn = sqlite3.connect(self.path, timeout=10, isolation_level=None,
-                                       check_same_thread=False)
-                conn.execute("PRAGMA journal_mode = WAL")
-            except sqlite3.Error as exc:
-                raise StoreUnavailable(f"cannot open the key store {self.path}: {exc}") from exc
-            self._local.conn = conn
-            with self._lock:
-                self._conns.append(conn)
-        return conn
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        conn = self._conn()
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as exc:
-            raise StoreError(f"key store write failed: {exc}") from exc
-
-    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
-        try:
-            return self._conn().execute(sql, params).fetchall()
-        except sqlite3.Error as exc:
-            raise StoreError(f"key store read failed: {exc}") from exc
-
     def create(self, tenant: str, role: str | Role = Role.MEMBER, name: str = "") -> tuple[ApiKey, str]:
         tenant, the_role, name = _validate(tenant, role, name)
         key, secret = _new_key(tenant, the_role, name)
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             conn.execute("INSERT INTO api_keys VALUES (?, ?, ?, ?, ?, ?, NULL)",
                          (key.id, digest(secret), tenant, the_role.value, name,
                           key.created_at.timestamp()))
         return key, secret
 
     def authenticate(self, secret: str) -> ApiKey | None:
-        rows = self._read(f"SELECT {_COLUMNS} FROM api_keys WHERE digest = ? AND revoked_at IS NULL",
-                          (digest(secret),))
+        rows = self._db.read(f"SELECT {_COLUMNS} FROM api_keys WHERE digest = ? AND revoked_at IS NULL",
+                             (digest(secret),))
         return _row_to_key(rows[0]) if rows else None
 
     def list(self, tenant: str | None = None) -> list[ApiKey]:
         if tenant is None:
-            rows = self._read(f"SELECT {_COLUMNS} FROM api_keys ORDER BY created_at, id")
+            rows = self._db.read(f"SELECT {_COLUMNS} FROM api_keys ORDER BY created_at, id")
         else:
-            rows = self._read(f"SELECT {_COLUMNS} FROM api_keys WHERE tenant = ? ORDER BY created_at, id",
-                              (tenant,))
+            rows = self._db.read(f"SELECT {_COLUMNS} FROM api_keys WHERE tenant = ? "
+                                 "ORDER BY created_at, id", (tenant,))
         return [_row_to_key(r) for r in rows]
 
     def revoke(self, id: str) -> ApiKey:
-        with self._tx() as conn:
+        with self._db.transaction() as conn:
             conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
                          (utcnow().timestamp(), id))
             rows = conn.execute(f"SELECT {_COLUMNS} FROM api_keys WHERE id = ?", (id,)).fetchall()
@@ -197,20 +161,10 @@ class SQLiteKeyStore:
         return _row_to_key(rows[0])
 
     def ping(self) -> None:
-        # A fresh connection, not a cached one: an open file handle keeps answering after the
-        # file's directory is gone, and readiness must say whether the database can be reached.
-        try:
-            with closing(sqlite3.connect(f"file:{self.path}?mode=rw", uri=True, timeout=2)) as conn:
-                conn.execute("SELECT count(*) FROM api_keys").fetchone()
-        except sqlite3.Error as exc:
-            raise StoreUnavailable(f"the key store {self.path} cannot be read: {exc}") from exc
+        self._db.ping("SELECT count(*) FROM api_keys")
 
     def close(self) -> None:
-        with self._lock:
-            for conn in self._conns:
-                conn.close()
-            self._conns.clear()
-        self._local = threading.local()
+        self._db.close()
 
 
 _COLUMNS = "id, tenant, role, name, created_at, revoked_at"
@@ -244,41 +198,27 @@ CREATE TABLE IF NOT EXISTS engram_api_keys (
 
 
 class PostgresKeyStore:
-    """Keys in a table of the shared PostgreSQL database (every service process sees them)."""
+    """Keys in a table of the shared PostgreSQL database (every service process sees them),
+    over the PostgreSQL store's pool. It connects on demand: a service can start while the
+    database is down and becomes ready when it returns; a connection broken by a restart is
+    replaced before any work is done on it."""
 
     def __init__(self, url: str, *, connect_timeout_s: float = 5.0) -> None:
-        from psycopg_pool import ConnectionPool
+        from ..store.postgres import Pool  # psycopg is only imported when used
 
         self.url = url
-        # A small pool; `open=False` then `open(wait=False)`: a service can start while the
-        # database is still down and become ready when it returns.
-        # `check`: a connection broken by a server restart is replaced at checkout instead of
-        # failing the request that drew it.
-        self._pool = ConnectionPool(url, min_size=1, max_size=8, open=False,
-                                    timeout=connect_timeout_s, check=ConnectionPool.check_connection,
-                                    kwargs={"connect_timeout": max(1, int(connect_timeout_s)),
-                                            "autocommit": True})
-        self._pool.open(wait=False)
+        self._pool = Pool(url, max_size=8, wait_s=connect_timeout_s,
+                          connect_timeout_s=connect_timeout_s)
         self._schema_ready = False
 
     @contextmanager
     def _cursor(self) -> Iterator[Any]:
-        import psycopg
-        from psycopg_pool import PoolTimeout
-
-        try:
-            with self._pool.connection() as conn:
-                if not self._schema_ready:
-                    conn.execute(_PG_SCHEMA)
-                    self._schema_ready = True
-                with conn.cursor() as cur:
-                    yield cur
-        except PoolTimeout as exc:
-            raise StoreUnavailable(f"PostgreSQL cannot be reached: {exc}") from exc
-        except psycopg.OperationalError as exc:
-            raise StoreUnavailable(f"PostgreSQL cannot be reached: {exc}") from exc
-        except psycopg.Error as exc:
-            raise StoreError(f"key store query failed: {exc}") from exc
+        with self._pool.transaction() as conn:
+            if not self._schema_ready:
+                conn.execute(_PG_SCHEMA)
+                self._schema_ready = True
+            with conn.cursor() as cur:
+                yield cur
 
     def create(self, tenant: str, role: str | Role = Role.MEMBER, name: str = "") -> tuple[ApiKey, str]:
         tenant, the_role, name = _validate(tenant, role, name)

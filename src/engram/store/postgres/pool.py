@@ -1,16 +1,36 @@
-"""A small thread-safe pool of PostgreSQL connections for the PostgreSQL store."""
+"""The one PostgreSQL connection pool: small, thread-safe, connecting on demand, and the
+translation of database errors into the engram errors a caller can act on. The store and the
+service's key store both use it."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+from psycopg import errors as pgerr
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 
-from ..errors import StoreBusy, StoreError, StoreUnavailable
+from ...errors import EngramError, InvalidInput, StoreBusy, StoreError, StoreUnavailable
+
+Connection = psycopg.Connection[Any]
+
+
+def translate(exc: psycopg.Error) -> EngramError:
+    """The engram error a caller can act on, for a database error (the transaction is gone)."""
+    if isinstance(exc, pgerr.LockNotAvailable | pgerr.DeadlockDetected | pgerr.SerializationFailure):
+        return StoreBusy(f"the database stayed locked: {exc}")
+    if isinstance(exc, pgerr.QueryCanceled):
+        return StoreError(f"a statement ran past the statement timeout: {exc}")
+    if isinstance(exc, psycopg.OperationalError):  # connection refused, lost, server shut down
+        return StoreUnavailable(f"PostgreSQL is unavailable: {exc}")
+    if isinstance(exc, psycopg.DataError):  # e.g. NUL characters, which PostgreSQL text refuses
+        return InvalidInput(f"the database refused a value: {exc}")
+    return StoreError(f"database error (the transaction was rolled back): {exc}")
 
 
 class Pool:
@@ -18,7 +38,8 @@ class Pool:
 
     Unlike a pool that keeps reconnecting in the background, it connects on demand, so a
     caller learns at once (StoreUnavailable, after `connect_timeout`) that the server is down,
-    and the first call after it comes back simply opens a fresh connection.
+    and the first call after it comes back simply opens a fresh connection. Several users
+    (the stores of many tenants) may share it: each `retain()` is matched by a `close()`.
     """
 
     def __init__(self, url: str, *, max_size: int, wait_s: float, connect_timeout_s: float) -> None:
@@ -34,11 +55,11 @@ class Pool:
         self._url = url
         self._max = max_size
         self._wait_s = wait_s
-        self._idle: list[psycopg.Connection[Any]] = []
+        self._idle: list[Connection] = []
         self._size = 0
         self._cond = threading.Condition()
         self._closed = False
-        self._users = 1  # stores sharing this pool (see `PostgresStore.for_tenant`)
+        self._users = 1
 
     def retain(self) -> None:
         with self._cond:
@@ -46,7 +67,7 @@ class Pool:
                 raise StoreError("the store is closed")
             self._users += 1
 
-    def acquire(self) -> psycopg.Connection[Any]:
+    def acquire(self) -> Connection:
         deadline = time.monotonic() + self._wait_s
         with self._cond:
             while True:
@@ -72,7 +93,7 @@ class Pool:
                 raise StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
             raise
 
-    def release(self, conn: psycopg.Connection[Any], *, discard: bool = False) -> None:
+    def release(self, conn: Connection, *, discard: bool = False) -> None:
         bad = (discard or self._closed or conn.closed or conn.broken
                or conn.info.transaction_status != TransactionStatus.IDLE)
         if bad:
@@ -93,8 +114,43 @@ class Pool:
         for conn in idle:
             conn.close()
 
+    @contextmanager
+    def transaction(self, setup: Callable[[Connection], object] | None = None) -> Iterator[Connection]:
+        """A pooled connection inside a fresh transaction (after `setup`, e.g. SET LOCAL). A
+        stale idle connection (the server restarted) is replaced once, before any work is done
+        on it. Database errors leave as engram errors (`translate`)."""
+        for attempt in (0, 1):
+            conn = self.acquire()
+            tx = conn.transaction()
+            try:
+                tx.__enter__()
+                if setup is not None:
+                    setup(conn)
+                break
+            except psycopg.OperationalError as exc:
+                self.release(conn, discard=True)
+                self.drop_idle()
+                if attempt == 1 or isinstance(exc, pgerr.QueryCanceled | pgerr.LockNotAvailable):
+                    raise translate(exc) from exc
+            except BaseException as exc:
+                self.release(conn, discard=True)
+                if isinstance(exc, psycopg.Error):
+                    raise translate(exc) from exc
+                raise
+        try:
+            try:
+                yield conn
+            except BaseException as exc:
+                tx.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+            tx.__exit__(None, None, None)
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+        finally:
+            self.release(conn)
+
     def close(self) -> None:
-        """Called once by each store sharing the pool; the last one closes the connections."""
+        """Called once by each user of the pool; the last one closes the connections."""
         with self._cond:
             self._users -= 1
             if self._users > 0:

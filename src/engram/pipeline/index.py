@@ -1,0 +1,74 @@
+"""Indexing: how a memory is found again, its retrieval keys (text, window) and lexical document.
+
+Calls the embedder, never inside a transaction. An episode's window holds the turns before it,
+so editing or removing a turn re-indexes the turns after it (`followers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..model import Kind, MemoryRecord, Scope
+from ..store import Key, Lexical
+from .engine import Engine
+
+WINDOW = 3  # turns in an episode's `window` key: itself and the two before it
+
+Keys = tuple[list[Key], Lexical]
+"""One memory's retrieval keys and lexical document, as `Tx.insert` / `Tx.update` take them."""
+
+
+def speaker_text(rec: MemoryRecord) -> str:
+    return f"{rec.name}: {rec.text}" if rec.name else rec.text
+
+
+def index(engine: Engine, records: Sequence[MemoryRecord],
+          history: dict[Scope, list[MemoryRecord]] | None = None) -> dict[str, Keys]:
+    """How each memory is found: its retrieval keys and its lexical document.
+
+    An episode is indexed with its conversational context, because a turn is often
+    understood only with the turns before it ("Yes, since 2019!"): a `window` key embeds
+    the turn with the two before it in the same scope, and the lexical index holds the
+    previous turn as a lower-weighted column. A fact stands alone: its window is itself.
+    `history` holds the turns before each scope's first record (read from the store when
+    missing) and is advanced past `records`, so batches can be indexed one after another.
+    """
+    texts: list[str] = []
+    plan: dict[str, tuple[int, int, Lexical]] = {}  # id -> text row, window row, lexical
+    history = {} if history is None else history  # the last turns seen, per scope
+    for rec in records:
+        own = speaker_text(rec)
+        texts.append(own)
+        if rec.kind is not Kind.EPISODIC:
+            plan[rec.id] = (len(texts) - 1, len(texts) - 1, Lexical(own))
+            continue
+        if rec.scope not in history:
+            history[rec.scope] = engine.store.recent_episodes(rec.scope, WINDOW - 1)[::-1]
+        before = [r for r in history[rec.scope] if r.id != rec.id][-(WINDOW - 1):]
+        texts.append("\n".join([*map(speaker_text, before), own]))
+        plan[rec.id] = (len(texts) - 2, len(texts) - 1,
+                        Lexical(own, speaker_text(before[-1]) if before else ""))
+        history[rec.scope] = [*before, rec]
+    vectors = engine.embedder.embed_batch(texts)
+    return {mid: ([Key("text", vectors[t]), Key("window", vectors[w])], lex)
+            for mid, (t, w, lex) in plan.items()}
+
+
+def reindex(engine: Engine, rec: MemoryRecord) -> Keys:
+    """The keys of an edited memory: an old turn's window is the turns before *it*."""
+    prior = engine.store.episodes_around(rec.id, WINDOW - 1)[0] if rec.kind is Kind.EPISODIC else []
+    return index(engine, [rec], {rec.scope: prior})[rec.id]
+
+
+def followers(engine: Engine, rec: MemoryRecord, replacement: MemoryRecord | None,
+              ) -> list[tuple[MemoryRecord, Keys]]:
+    """The episodes whose index holds `rec` as context, re-indexed without it (or with
+    `replacement`): so a deleted, erased or edited turn leaves no trace in its neighbours."""
+    if rec.kind is not Kind.EPISODIC:
+        return []
+    before, after = engine.store.episodes_around(rec.id, WINDOW - 1)
+    if not after:
+        return []
+    history = {rec.scope: [*before, *([replacement] if replacement else [])]}
+    keys = index(engine, after, history)
+    return [(r, keys[r.id]) for r in after]

@@ -1,0 +1,126 @@
+"""The read pipeline: candidates per retriever (dense keys, lexical) -> fuse -> rank -> hits.
+
+Also the plain reads (one memory, a page, a history) and the one visibility check for a memory
+read by id. Fusion and ranking are the pure functions of `retrieve.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+
+from .. import validate as valid
+from ..errors import InvalidInput, NotFound
+from ..filters import parse_filters
+from ..model import Event, Hit, Kind, MemoryRecord, Page, Scope, utcnow
+from ..store import Query, Store
+from .engine import Engine
+from .retrieve import Ranked, fuse, rank
+from .text import terms
+
+log = logging.getLogger("engram.memory")
+
+
+def query(scope: Scope, filters: Mapping[str, Any] | None, kinds: Iterable[str | Kind] | None,
+          as_of: datetime | None) -> Query:
+    """A `Query` from caller input (validated: InvalidInput / InvalidFilter before any read)."""
+    if kinds is not None and isinstance(kinds, str | Kind):
+        kinds = [kinds]
+    chosen: list[Kind] = []
+    for k in kinds or ():
+        if (kind := valid.kind(k)) is None:
+            raise InvalidInput(f"kinds must be some of {[k.value for k in Kind]}, not None")
+        chosen.append(kind)
+    return Query(scope=scope, now=utcnow(), kinds=tuple(chosen) or None,
+                 conditions=parse_filters(filters), as_of=valid.moment(as_of, "as_of"))
+
+
+def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray | None = None,
+           pool: int | None = None) -> list[Ranked]:
+    """Candidates per retriever (`pool` each, default the preset's), then fused and ranked
+    on light rows (ids, scores, why)."""
+    cfg = engine.retrieval
+    store = engine.store
+    n = max(pool or cfg.candidates, limit)
+    found: dict[str, list[tuple[str, float]]] = {}
+    if cfg.dense_weight or cfg.window_weight or cfg.fact_weight:
+        if vector is None:
+            vector = engine.embedder.embed_batch([text])[0]
+        for label, key, w in (("dense", "text", cfg.dense_weight),
+                              ("window", "window", cfg.window_weight),
+                              ("fact", "fact", cfg.fact_weight)):
+            if w:
+                found[label] = store.dense(q, vector, n, key=key)
+    if cfg.lexical_weight:
+        found["lexical"] = store.lexical(q, terms(text), n, cfg.previous_weight)
+    fused = fuse(found, {"dense": cfg.dense_weight, "window": cfg.window_weight,
+                         "fact": cfg.fact_weight, "lexical": cfg.lexical_weight}, cfg)
+    return rank(fused, store.candidates(list(fused)), text, cfg, q.as_of or q.now)[:limit]
+
+
+def search(engine: Engine, text: str, q: Query, limit: int) -> list[Hit]:
+    """The best `limit` hits for `text`, each explaining its score; counts an access."""
+    best = ranked(engine, text, q, limit)
+    records = engine.store.get([mid for mid, _, _ in best])
+    hits = [Hit(records[mid], score, explain) for mid, score, explain in best]
+    engine.store.touch([h.memory.id for h in hits], q.now)
+    if log.isEnabledFor(logging.DEBUG):
+        for h in hits:
+            log.debug("search %r -> %s %.3f %s", text[:80], h.memory.id, h.score, h.explain)
+    return hits
+
+
+def page(store: Store, q: Query, cursor: str | None, limit: int) -> Page:
+    """Visible memories in creation order, `limit` after the id `cursor`."""
+    if cursor is not None and (not isinstance(cursor, str) or len(cursor) > valid.MAX_ID_CHARS):
+        raise InvalidInput("cursor must be the next_cursor of a previous page")
+    items = store.select(q, after_id=cursor, limit=limit + 1)
+    more = len(items) > limit
+    items = items[:limit]
+    return Page(items=items, next_cursor=items[-1].id if more else None)
+
+
+def every(store: Store, q: Query) -> list[MemoryRecord]:
+    """Every visible memory of a query, in creation order."""
+    out: list[MemoryRecord] = []
+    cursor = None
+    while items := store.select(q, after_id=cursor, limit=500):
+        out += items
+        cursor = items[-1].id
+    return out
+
+
+def visible(store: Store, id: str, now: datetime) -> MemoryRecord | None:
+    """The memory `id` if a read by id may see it: not deleted, not expired (superseded ones
+    are visible by id: they are history)."""
+    rec = store.get([id]).get(id)
+    if rec is None or rec.deleted_at is not None:
+        return None
+    if rec.expires_at is not None and rec.expires_at <= now:
+        return None
+    return rec
+
+
+def get(store: Store, id: str, within: Scope) -> MemoryRecord:
+    """A visible memory of the scope `within` (None fields match anything); NotFound
+    otherwise, the same for an unknown id as for another scope's."""
+    rec = visible(store, valid.ident(id), utcnow())
+    if rec is None or not valid.in_scope(rec.scope, within):
+        raise NotFound(f"no memory with id {id!r}")
+    return rec
+
+
+def history(store: Store, id: str, within: Scope) -> list[Event]:
+    """Every event of a memory, oldest first (also of a deleted or erased one: its ERASE
+    event carries its scope)."""
+    valid.ident(id)
+    events = store.events(id)
+    rec = store.get([id]).get(id)
+    owner = rec.scope if rec is not None else events[0].scope if events else None
+    if owner is None or not valid.in_scope(owner, within):
+        raise NotFound(f"no memory with id {id!r}")
+    return events

@@ -1,0 +1,245 @@
+"""The write pipeline: messages -> records -> (learn) -> consolidate -> persist -> evict.
+
+Model time (embedding, LLM) comes first, outside any transaction; then one store transaction
+writes the rows and an event per decision. Also in-place edits (`update`) and soft `delete`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+
+from .. import validate as valid
+from ..errors import NotFound
+from ..model import (
+    AddResult,
+    Event,
+    EventType,
+    Job,
+    JobStatus,
+    Kind,
+    MemoryRecord,
+    Message,
+    Scope,
+    event,
+    new_id,
+    utcnow,
+)
+from ..store import Key, Query, Tx
+from . import consolidate, forget, learn
+from . import extract as extraction
+from .engine import Engine
+from .index import followers, index, reindex
+from .read import visible
+from .text import content_hash
+
+log = logging.getLogger("engram.memory")
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """A validated `add` call: what runs now, or what a background job stores and runs later."""
+
+    messages: tuple[Message, ...]
+    scope: Scope
+    kind: Kind
+    metadata: dict[str, Any]
+    observed_at: datetime | None
+    importance: float
+    expires_at: datetime | None
+    infer: bool
+
+    @classmethod
+    def build(cls, messages: Any, scope: Scope, *, metadata: Any, observed_at: Any, infer: Any,
+              kind: Any, importance: Any, expires_at: Any, max_text_chars: int) -> AddRequest:
+        """Caller input, validated whole before anything is written (InvalidInput)."""
+        valid.flag(infer, "infer")
+        return cls(messages=tuple(valid.message(m, max_text_chars) for m in valid.as_list(messages)),
+                   scope=scope, kind=valid.kind(kind) or Kind.EPISODIC,
+                   metadata=valid.metadata(metadata),
+                   observed_at=valid.moment(observed_at, "observed_at"),
+                   importance=valid.importance(importance),
+                   expires_at=valid.moment(expires_at, "expires_at"), infer=infer)
+
+    def payload(self) -> dict[str, Any]:
+        def t(value: datetime | None) -> str | None:
+            return None if value is None else value.isoformat()
+        return {
+            "messages": [{"content": m.content, "role": m.role, "name": m.name,
+                          "observed_at": t(m.observed_at), "metadata": dict(m.metadata)}
+                         for m in self.messages],
+            "scope": self.scope.as_dict(), "kind": self.kind.value, "metadata": self.metadata,
+            "observed_at": t(self.observed_at), "importance": self.importance,
+            "expires_at": t(self.expires_at), "infer": self.infer,
+        }
+
+    @classmethod
+    def from_payload(cls, d: Mapping[str, Any]) -> AddRequest:
+        s = d["scope"]
+        return cls(
+            messages=tuple(Message(content=m["content"], role=m["role"], name=m["name"],
+                                   observed_at=valid.moment(m["observed_at"], "observed_at"),
+                                   metadata=m["metadata"]) for m in d["messages"]),
+            scope=Scope(s["user_id"], s["agent_id"], s["session_id"]), kind=Kind(d["kind"]),
+            metadata=d["metadata"], observed_at=valid.moment(d["observed_at"], "observed_at"),
+            importance=d["importance"], expires_at=valid.moment(d["expires_at"], "expires_at"),
+            infer=d["infer"])
+
+
+def summary(result: AddResult) -> dict[str, Any]:
+    """What a job row keeps of a result: ids and notes (the memories are in the store)."""
+    return {"memories": [m.id for m in result.memories], "events": [e.id for e in result.events],
+            "notes": list(result.notes)}
+
+
+def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult:
+    """Store the request's messages (episodes) or facts; with an LLM and `infer`, learn from
+    the episodes too. `job`, when given, is marked done with the result in the same
+    transaction: a retried request finds either nothing or the whole result."""
+    now = utcnow()
+    records = [record(m, req, now) for m in req.messages]
+    keys = index(engine, records)
+    notes: list[str] = []
+    learned: list[learn.Learned] = []
+    if req.infer and req.kind is Kind.EPISODIC:
+        learned = learn.learn(engine, records, req.scope, extraction.EXTRACT, now, notes)
+    # A turn is also found by what was learned from it: each extracted fact becomes an
+    # extra `fact` key of its source episodes.
+    fact_keys: dict[str, list[Key]] = {}
+    for item in learned:
+        for source in item.record.provenance:
+            fact_keys.setdefault(source, []).append(Key("fact", item.keys[0][0].vector))
+    store = engine.store
+    cfg = engine.config
+    with store.write() as tx:
+        # Reads first (neighbours for consolidation), writes after.
+        near = {r.id: neighbours(engine, r, keys[r.id][0][0].vector, now)
+                for r in records if r.kind is not Kind.EPISODIC}
+        stored: list[MemoryRecord] = []
+        events: list[Event] = []
+        batch: list[tuple[MemoryRecord, np.ndarray]] = []
+        for rec in records:
+            vec = keys[rec.id][0][0].vector
+            earlier = [(r, float(np.dot(vec, v))) for r, v in batch]
+            decision = consolidate.decide(rec, [*near.get(rec.id, []), *earlier],
+                                          threshold=cfg.dedupe_threshold,
+                                          min_overlap=cfg.dedupe_min_overlap)
+            if decision.action == "NOOP":
+                assert decision.target is not None
+                stored.append(decision.target)
+                log.info("noop %s: %s", decision.target.id, decision.reason)
+                continue
+            if decision.action == "MERGE":
+                assert decision.target is not None
+                target = next((r for r, _ in batch if r.id == decision.target.id), decision.target)
+                merged = consolidate.merge(target, rec, now)
+                # The merged text is one of the two, already embedded: no model call here.
+                tx.update(merged, *(keys[rec.id] if merged.text == rec.text else (None, None)))
+                ev = event(EventType.MERGE, merged, now, before=target, after=merged,
+                           reason=decision.reason)
+                batch = [(merged, v) if r.id == merged.id else (r, v) for r, v in batch]
+                stored = [merged if r.id == merged.id else r for r in stored]
+                if merged.id not in {r.id for r in stored}:
+                    stored.append(merged)
+                log.info("merged into %s: %s", merged.id, decision.reason)
+            else:
+                reason = decision.reason
+                if rec.kind is Kind.EPISODIC and notes:
+                    reason = f"{reason}; {'; '.join(notes)}"  # the history says why no facts
+                own, lexical = keys[rec.id]
+                tx.insert(rec, [*own, *fact_keys.get(rec.id, [])], lexical)
+                ev = event(EventType.ADD, rec, now, after=rec, reason=reason)
+                batch.append((rec, vec))
+                stored.append(rec)
+                log.info("added %s %s in %s", rec.kind.value, rec.id, req.scope)
+            tx.append(ev)
+            events.append(ev)
+        facts, fact_events = learn.apply(engine, tx, learned, now)
+        stored += facts
+        events += fact_events
+        events += evict(engine, tx, req.scope, now)
+        result = AddResult(memories=stored, events=events, notes=tuple(notes))
+        if job is not None:
+            tx.put_job(replace(job, status=JobStatus.DONE, result=summary(result), error=None,
+                               updated_at=now, lease_until=None))
+    return result
+
+
+def record(m: Message, req: AddRequest, now: datetime) -> MemoryRecord:
+    observed = m.observed_at or req.observed_at
+    return MemoryRecord(
+        id=new_id(), scope=req.scope, kind=req.kind, text=m.content,
+        metadata={**req.metadata, **m.metadata}, importance=req.importance, role=m.role,
+        name=m.name, created_at=now, updated_at=now, observed_at=observed,
+        valid_from=observed or now, expires_at=req.expires_at, content_hash=content_hash(m.content),
+    )
+
+
+def neighbours(engine: Engine, rec: MemoryRecord, vec: np.ndarray,
+               now: datetime) -> list[tuple[MemoryRecord, float]]:
+    """Existing memories of the same scope and kind that may repeat `rec`, with cosines."""
+    store = engine.store
+    same = store.find_hash(rec.scope, rec.kind, rec.content_hash, now)
+    if same is not None:
+        return [(same, 1.0)]
+    found = store.dense(Query(scope=rec.scope, now=now, kinds=(rec.kind,)), vec, 5)
+    records = store.get([mid for mid, _ in found])
+    return [(records[mid], sim) for mid, sim in found if records[mid].scope == rec.scope]
+
+
+def evict(engine: Engine, tx: Tx, scope: Scope, now: datetime) -> list[Event]:
+    """Over capacity (Config.max_memories_per_scope): soft-delete the lowest retention."""
+    cap = engine.config.max_memories_per_scope
+    if cap is None:
+        return []
+    victims = forget.to_evict(engine.store.eviction_pool(scope, now), cap, now)
+    if not victims:
+        return []
+    tx.soft_delete([v.id for v in victims], now)
+    events = []
+    for v in victims:
+        ev = event(EventType.DELETE, v, now, before=v,
+                   reason=f"evicted: scope over capacity {cap}, "
+                          f"retention {forget.retention(v, now):.3f}")
+        tx.append(ev)
+        events.append(ev)
+        log.info("evicted %s (%s)", v.id, ev.reason)
+    return events
+
+
+def update(engine: Engine, before: MemoryRecord, changes: Mapping[str, Any]) -> MemoryRecord:
+    """Change a memory in place (validated `changes`); new text re-indexes it and the turns
+    whose window holds it. The UPDATE event keeps the before and after."""
+    now = utcnow()
+    after = replace(before, **changes, updated_at=now)
+    keys, moved = None, []
+    if "text" in changes:
+        keys = reindex(engine, after)
+        moved = followers(engine, before, after)
+    with engine.store.write() as tx:
+        if visible(engine.store, before.id, now) is None:  # deleted meanwhile by another writer
+            raise NotFound(f"no memory with id {before.id!r}")
+        tx.update(after, *(keys or (None, None)))
+        for rec, (own, lexical) in moved:
+            tx.update(rec, own, lexical)
+        tx.append(event(EventType.UPDATE, after, now, before=before, after=after))
+    log.info("updated %s: %s", before.id, sorted(changes))
+    return after
+
+
+def delete(engine: Engine, rec: MemoryRecord) -> None:
+    """Soft delete: hidden from every read, kept in the history; the turns whose window held
+    it are re-indexed without it."""
+    now = utcnow()
+    moved = followers(engine, rec, None)
+    with engine.store.write() as tx:
+        tx.soft_delete([rec.id], now)
+        for other, (own, lexical) in moved:
+            tx.update(other, own, lexical)
+        tx.append(event(EventType.DELETE, rec, now, before=rec, reason="deleted by caller"))
+    log.info("deleted %s", rec.id)

@@ -1,0 +1,9 @@
+"""The PostgreSQL backend (pgvector + full-text): `schema` (named migrations, row-level
+security, HNSW indexes), `sql` (its SQL, built without I/O), `pool` (the one connection pool)
+and `store` (the `Store`). Importing it imports psycopg."""
+
+from . import schema, sql
+from .pool import Pool, translate
+from .store import PostgresStore
+
+__all__ = ["Pool", "PostgresStore", "schema", "sql", "translate"]

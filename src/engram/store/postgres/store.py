@@ -1,0 +1,355 @@
+"""The scale-out store: PostgreSQL with pgvector (HNSW, cosine) and full-text search.
+
+Every row carries its tenant and every query filters on it inside the SQL; row-level security
+on `engram.tenant` (set per transaction) stands behind those filters as a second wall.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import psycopg
+from psycopg import errors as pgerr
+
+from ...errors import InvalidInput, StoreBusy, StoreUnavailable
+from ...model import Job, MemoryRecord, Scope
+from .. import records as r
+from ..base import Key, Lexical, Query
+from ..sqlstore import Run, SQLStore, SQLTx
+from . import schema, sql
+from .pool import Connection, Pool, translate
+
+if TYPE_CHECKING:
+    from ...config import Config
+
+log = logging.getLogger("engram.store")
+
+_INDEX_LOCK = 0x656E6773  # pg_advisory_xact_lock key: one creator of a dimension's HNSW index
+_WRITE_LOCK = 0x656E6774  # ... and one writer per tenant (with hashtext(tenant))
+RECLAIM_MODES = {"vacuum": "INDEX_CLEANUP ON", "full": "FULL", "none": ""}
+
+
+class PostgresStore(SQLStore):
+    """`Store` over PostgreSQL + pgvector, for one tenant of a shared database.
+
+    Safe across threads (a small connection pool) and processes (many service processes and
+    workers can share one database). Reads made inside `write()` on the same thread go through
+    the write's transaction, so they see its changes.
+    """
+
+    dialect = sql.DIALECT
+
+    def __init__(self, url: str, *, tenant: str = "", busy_timeout_s: float = 30.0,
+                 statement_timeout_s: float | None = None, connect_timeout_s: float = 5.0,
+                 max_connections: int = 10, pool_wait_s: float | None = None,
+                 exact_limit: int = 2000, reclaim_mode: str = "vacuum") -> None:
+        """`busy_timeout_s`: how long a write waits for a lock (`lock_timeout`) and, unless
+        `pool_wait_s` says otherwise, for a free connection. `statement_timeout_s` defaults to
+        max(60, 2 * busy_timeout_s). `exact_limit`: a dense search over at most this many
+        visible keys is exact (a scan); above it the HNSW index answers (approximate).
+        `reclaim_mode`: what `reclaim()` runs on the tables an erase touched: "vacuum", "full"
+        (VACUUM FULL) or "none"."""
+        if not isinstance(tenant, str):
+            raise InvalidInput("tenant must be a string")
+        if reclaim_mode not in RECLAIM_MODES:
+            raise InvalidInput(f"reclaim_mode must be one of {', '.join(RECLAIM_MODES)}")
+        self.tenant = tenant
+        self.busy_timeout_s = busy_timeout_s
+        self.statement_timeout_s = statement_timeout_s or max(60.0, 2 * busy_timeout_s)
+        self.exact_limit = exact_limit
+        self.reclaim_mode = reclaim_mode
+        self._pool = Pool(url, max_size=max_connections,
+                          wait_s=busy_timeout_s if pool_wait_s is None else pool_wait_s,
+                          connect_timeout_s=connect_timeout_s)
+        self._local = threading.local()  # .conn: this thread's open write
+        self._indexed: set[int] = set()  # dimensions known to have their HNSW index
+        self._to_vacuum: set[str] = set()
+        self._closed = False
+        try:
+            self._iterative = schema.migrate(self._transaction) >= (0, 8)  # iterative index scans
+        except BaseException:
+            self._pool.close()  # the caller never gets the store to close
+            raise
+
+    @classmethod
+    def from_config(cls, config: Config, tenant: str = "") -> PostgresStore:
+        """The store `config` describes (its `database_url` and PostgreSQL tuning)."""
+        if not config.database_url:
+            raise InvalidInput("the PostgreSQL store needs a database_url")
+        return cls(config.database_url, tenant=tenant, busy_timeout_s=config.busy_timeout_s,
+                   statement_timeout_s=config.pg_statement_timeout_s,
+                   connect_timeout_s=config.pg_connect_timeout_s,
+                   max_connections=config.pg_pool_size, pool_wait_s=config.pg_pool_wait_s,
+                   exact_limit=config.pg_exact_limit, reclaim_mode=config.pg_reclaim)
+
+    # -- connections and transactions --------------------------------------------------------
+
+    def _setup(self, conn: Connection, lock_timeout_ms: int | None = None) -> None:
+        # SET LOCAL semantics (is_local = true): nothing outlives the transaction, so a pooled
+        # connection (or a pgbouncer in transaction mode) never carries one tenant to another.
+        lock_ms = int(self.busy_timeout_s * 1000) if lock_timeout_ms is None else lock_timeout_ms
+        conn.execute(
+            "SELECT set_config('engram.tenant', %s, true), set_config('statement_timeout', %s, true),"
+            " set_config('lock_timeout', %s, true), set_config('TimeZone', 'UTC', true),"
+            " set_config('client_min_messages', 'warning', true)",
+            (self.tenant, str(int(self.statement_timeout_s * 1000)), str(max(1, lock_ms))))
+
+    def _transaction(self, lock_timeout_ms: int | None = None) -> AbstractContextManager[Connection]:
+        """A pooled connection inside a fresh transaction with the tenant set."""
+        return self._pool.transaction(lambda conn: self._setup(conn, lock_timeout_ms))
+
+    @contextmanager
+    def _conn(self) -> Iterator[Connection]:
+        """This thread's open write if there is one (reads see its changes), else a new
+        read transaction."""
+        conn: Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            try:
+                yield conn
+            except psycopg.Error as exc:
+                raise translate(exc) from exc
+            return
+        with self._transaction() as conn:
+            yield conn
+
+    @contextmanager
+    def _reader(self) -> Iterator[Run]:
+        with self._conn() as conn:
+            yield lambda stmt, params: conn.execute(stmt, params).fetchall()
+
+    def _db_bytes(self, run: Run) -> int | None:
+        if self.tenant:  # the database is shared: a tenant's share of it is unknown
+            return None
+        return int(run("SELECT pg_database_size(current_database())", ())[0][0])
+
+    def write(self) -> AbstractContextManager[PgTx]:
+        """One transaction: it commits whole when the block ends, or leaves nothing. A nested
+        `write()` on the same thread is a savepoint of the outer one.
+
+        Writes of one tenant take turns (a transaction-scoped advisory lock, waited for up to
+        `busy_timeout_s`), as SQLite's writers do: `Memory` reads before it writes inside the
+        transaction (is this fact already known?), and two concurrent adds of one fact must
+        not both find it missing. Reads never wait; other tenants write in parallel."""
+        return self._write(serialize=True)
+
+    @contextmanager
+    def _write(self, serialize: bool) -> Iterator[PgTx]:
+        outer: Connection | None = getattr(self._local, "conn", None)
+        if outer is not None:
+            try:
+                with outer.transaction():
+                    yield PgTx(outer, self)
+            except psycopg.Error as exc:
+                raise translate(exc) from exc
+            return
+        with self._transaction() as conn:
+            if serialize:
+                conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_WRITE_LOCK, self.tenant))
+            tx = PgTx(conn, self)
+            self._local.conn = conn
+            try:
+                yield tx
+            finally:
+                self._local.conn = None
+        self._indexed |= tx.new_dims  # committed: the indexes exist for everyone now
+        self._to_vacuum |= tx.erased_from
+
+    def for_tenant(self, tenant: str) -> PostgresStore:
+        """The store of another tenant of the same database, sharing this one's connections:
+        a service serving many tenants holds one pool per process, not one per tenant."""
+        if not isinstance(tenant, str):
+            raise InvalidInput("tenant must be a string")
+        self._pool.retain()
+        other = copy.copy(self)  # the pool and the set of indexed dimensions are shared
+        other.tenant = tenant
+        other._local = threading.local()  # a write on one tenant is never seen from another
+        other._to_vacuum = set()
+        other._closed = False
+        return other
+
+    def close(self) -> None:
+        if not self._closed:  # each store releases its share of the pool once
+            self._closed = True
+            self._pool.close()
+
+    def migrations(self) -> list[str]:
+        return [row[0] for row in self._read("SELECT name FROM schema_migrations ORDER BY name")]
+
+    # -- the engine-specific primitives --------------------------------------------------------
+
+    def dense(self, query: Query, vector: np.ndarray, k: int,
+              key: str = "text") -> list[tuple[str, float]]:
+        """Exact (a scan of the visible keys) while they number at most `exact_limit`, so small
+        scopes and tests get the true top-k; beyond that the dimension's HNSW index, with
+        iterative scans so that filters do not starve it, and the exact scan again if the
+        index still returns fewer than `k`."""
+        if k <= 0:
+            return []
+        v = np.asarray(vector, dtype=np.float32).ravel()
+        dim = int(v.shape[0])
+        lit = sql.vector_literal(v)
+        where, params = r.compile_query(self.dialect, query, self.tenant)
+        source = sql.dense_source(dim, where)
+        sparams = [self.tenant, key, *params]
+        with self._conn() as conn:
+            use_index = False
+            if dim <= schema.MAX_INDEXED_DIM:
+                indexed, n = conn.execute(
+                    f"SELECT to_regclass(%s) IS NOT NULL, (SELECT count(*) FROM (SELECT 1 {source} "
+                    "LIMIT %s) c)", [schema.hnsw_index_name(dim), *sparams, self.exact_limit + 1]
+                ).fetchone()  # type: ignore[misc]
+                use_index = indexed and n > self.exact_limit
+            if use_index:
+                conn.execute("SELECT set_config('hnsw.ef_search', %s, true)",
+                             (str(min(1000, max(100, 2 * k))),))
+                if self._iterative:
+                    conn.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)")
+                rows = conn.execute(sql.dense_ann_sql(dim, source), [lit, *sparams, lit, 2 * k, k]).fetchall()
+                if len(rows) >= k:
+                    log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
+                    return [(row[0], float(row[1])) for row in rows]
+                log.debug("dense: the approximate query found %d of %d; exact scan", len(rows), k)
+            rows = conn.execute(sql.dense_exact_sql(source), [lit, *sparams, k]).fetchall()
+            log.debug("dense: exact scan, %d hits", len(rows))
+        return [(row[0], float(row[1])) for row in rows]
+
+    def lexical(self, query: Query, terms: Sequence[str], k: int,
+                previous_weight: float = 0.5) -> list[tuple[str, float]]:
+        text = sql.tsquery_text(terms)
+        if not text or k <= 0:
+            return []
+        rows = self._read(*sql.lexical(self.tenant, query, text, k, previous_weight))
+        return [(row[0], float(row[1])) for row in rows]
+
+    def touch(self, ids: Sequence[str], at: datetime) -> None:
+        if not ids:
+            return
+        stmt = ("UPDATE memories SET access_count = access_count + 1, last_accessed_at = %s "
+                "WHERE tenant = %s AND id = ANY(%s)")
+        params = (at, self.tenant, sorted(set(ids)))
+        try:
+            if getattr(self._local, "conn", None) is not None:
+                self._read(stmt, params)
+                return
+            # Best effort: a row locked by a writer for more than 20 ms is simply not counted.
+            with self._transaction(lock_timeout_ms=20) as conn:
+                conn.execute(stmt, params)
+        except (StoreBusy, StoreUnavailable) as exc:
+            log.debug("access tracking skipped: %s", exc)
+
+    def claim_job(self, now: datetime, lease_until: datetime) -> Job | None:
+        with self._write(serialize=False) as tx:  # many workers claim at once: rows, not turns
+            row = tx.conn.execute(*sql.claim_job(self.tenant, now, lease_until)).fetchone()
+        return r.read_job(self.dialect, row) if row else None
+
+    def reclaim(self) -> None:
+        """VACUUM the tables an erase touched (see docs/postgres.md for what each mode leaves).
+
+        "vacuum": the dead row versions (erased text, vectors, lexemes) leave the heap and the
+        indexes, so no query or index can reach them, but PostgreSQL does not overwrite the
+        freed bytes: they stay in the data files until the space is reused. "full": VACUUM
+        FULL rewrites the tables, so the data files no longer hold them (it locks the tables
+        while it runs). Neither touches WAL segments not yet recycled, nor backups."""
+        tables, self._to_vacuum = sorted(self._to_vacuum), set()
+        if not tables or self.reclaim_mode == "none" or getattr(self._local, "conn", None) is not None:
+            return
+        conn = self._pool.acquire()
+        skipped: list[psycopg.errors.Diagnostic] = []
+        conn.add_notice_handler(skipped.append)  # e.g. "skipping vacuum of ... lock not available"
+        try:
+            # VACUUM runs outside any transaction; SKIP_LOCKED: never wait behind another lock.
+            conn.execute(f"VACUUM ({RECLAIM_MODES[self.reclaim_mode]}, SKIP_LOCKED) {', '.join(tables)}")
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+        finally:
+            conn.remove_notice_handler(skipped.append)
+            self._pool.release(conn)
+        for notice in skipped:
+            log.warning("reclaim: %s", notice.message_primary)
+
+
+class PgTx(SQLTx):
+    """The writes of one transaction (see `Tx` in store/base.py): rows with their lexemes, and
+    keys, for which each new dimension first gets its HNSW index."""
+
+    dialect = sql.DIALECT
+    unique_violation = pgerr.UniqueViolation
+
+    def __init__(self, conn: Connection, store: PostgresStore) -> None:
+        self.conn = conn
+        self.store = store
+        self.tenant = store.tenant
+        self.new_dims: set[int] = set()
+        self.erased_from: set[str] = set()
+
+    def _exec(self, stmt: str, params: Sequence[Any] = ()) -> None:
+        self.conn.execute(stmt, params)
+
+    def _savepoint(self) -> AbstractContextManager[Any]:
+        return self.conn.transaction()  # a Conflict leaves the transaction usable
+
+    def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: Lexical) -> None:
+        self._exec(*sql.insert_memory(self.tenant, record, lexical.body, lexical.previous))
+        self._put_keys(record.id, keys)
+
+    def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
+        rows = []
+        for key in keys:
+            v = np.asarray(key.vector, dtype=np.float32).ravel()
+            self._ensure_index(int(v.shape[0]))
+            rows.append((self.tenant, memory_id, key.name, int(v.shape[0]), sql.vector_literal(v)))
+        if rows:
+            with self.conn.cursor() as cur:
+                cur.executemany("INSERT INTO memory_keys (tenant, memory_id, kind, dim, vector) "
+                                "VALUES (%s, %s, %s, %s, %s::vector)", rows)
+
+    def _ensure_index(self, dim: int) -> None:
+        """The HNSW index of a new dimension, made in this transaction before its keys go in
+        (its lock then waits for no row this transaction holds)."""
+        if dim in self.store._indexed or dim in self.new_dims or not 0 < dim <= schema.MAX_INDEXED_DIM:
+            return
+        name = schema.hnsw_index_name(dim)
+        if not self.conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()[0]:  # type: ignore[index]
+            self.conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_INDEX_LOCK, dim))
+            self.conn.execute(schema.hnsw_index_sql(dim))
+            log.info("created HNSW index %s", name)
+        self.new_dims.add(dim)
+
+    def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
+               lexical: Lexical | None = None) -> None:
+        text = None if lexical is None else (lexical.body, lexical.previous)
+        self._exec(*sql.update_memory(self.tenant, record, text))
+        if keys is not None:
+            for key in keys:  # before the delete below takes row locks on memory_keys
+                self._ensure_index(int(np.asarray(key.vector).size))
+            self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = %s",
+                       (self.tenant, record.id))
+            self._put_keys(record.id, keys)
+
+    def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
+        if not ids:
+            return
+        self._exec("UPDATE memories SET deleted_at = %s, updated_at = %s, lex = NULL "
+                   "WHERE tenant = %s AND id = ANY(%s)", (at, at, self.tenant, list(ids)))
+        self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = ANY(%s)",
+                   (self.tenant, list(ids)))
+
+    def erase(self, ids: Sequence[str]) -> None:
+        if not ids:
+            return
+        params = (self.tenant, list(ids))
+        self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = ANY(%s)", params)
+        self._exec("DELETE FROM events WHERE tenant = %s AND memory_id = ANY(%s)", params)
+        self._exec("DELETE FROM memories WHERE tenant = %s AND id = ANY(%s)", params)
+        self.erased_from |= {"memories", "memory_keys", "events"}
+
+    def erase_scope(self, scope: Scope) -> None:
+        super().erase_scope(scope)
+        self.erased_from |= {"sessions", "jobs"}

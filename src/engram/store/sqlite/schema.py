@@ -1,0 +1,121 @@
+"""The SQLite schema: named migrations, applied in order and recorded in `schema_migrations`,
+so a database made by an older version upgrades itself when opened."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .conn import Connections
+
+log = logging.getLogger("engram.store")
+
+# Never edit a released migration: append a new one.
+MIGRATIONS: list[tuple[str, list[str]]] = [
+    ("0001_initial", [
+        """CREATE TABLE memories (
+            rid INTEGER PRIMARY KEY,
+            id TEXT NOT NULL UNIQUE,
+            user_id TEXT, agent_id TEXT, session_id TEXT,
+            kind TEXT NOT NULL,
+            text TEXT NOT NULL,
+            metadata TEXT NOT NULL DEFAULT '{}',
+            importance REAL NOT NULL,
+            role TEXT, name TEXT,
+            created_at REAL NOT NULL, updated_at REAL NOT NULL, observed_at REAL,
+            valid_from REAL, valid_to REAL, superseded_by TEXT,
+            provenance TEXT NOT NULL DEFAULT '[]',
+            access_count INTEGER NOT NULL DEFAULT 0, last_accessed_at REAL,
+            expires_at REAL,
+            content_hash TEXT NOT NULL,
+            deleted_at REAL)""",
+        "CREATE INDEX memories_user ON memories(user_id, kind)",
+        "CREATE INDEX memories_agent ON memories(agent_id)",
+        "CREATE INDEX memories_session ON memories(session_id, valid_from)",
+        "CREATE INDEX memories_hash ON memories(content_hash)",
+        # AUTOINCREMENT: a key seq is never reused, because the dense cache loads only seqs
+        # above the highest it has seen (a reused seq would keep its old cached vector).
+        """CREATE TABLE memory_keys (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            memory_id TEXT NOT NULL REFERENCES memories(id) ON DELETE CASCADE,
+            kind TEXT NOT NULL,
+            vector BLOB NOT NULL)""",
+        "CREATE INDEX memory_keys_memory ON memory_keys(memory_id)",
+        # `owner` holds opaque scope tokens, so a lexical search intersects with its scope
+        # inside the index instead of scoring every tenant's matches and dropping most.
+        "CREATE VIRTUAL TABLE memory_fts USING fts5(body, context, owner, "
+        "tokenize='porter unicode61 remove_diacritics 2')",
+        """CREATE TABLE events (
+            rid INTEGER PRIMARY KEY,
+            id TEXT NOT NULL UNIQUE,
+            memory_id TEXT,
+            type TEXT NOT NULL,
+            at REAL NOT NULL,
+            user_id TEXT, agent_id TEXT, session_id TEXT,
+            before TEXT, after TEXT, reason TEXT)""",
+        "CREATE INDEX events_memory ON events(memory_id)",
+        "CREATE INDEX events_scope ON events(user_id, agent_id, session_id)",
+        "CREATE TABLE meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+        "INSERT INTO meta(name, value) VALUES ('keys_version', 0)",
+    ]),
+    # What the dense cache needs to follow the database without asking it about each
+    # candidate: a deleted key leaves a tombstone (its seq, nothing else), and a change to a
+    # column that visibility depends on bumps `rows_version`.
+    ("0002_dense_cache_log", [
+        "CREATE TABLE key_tombstones (id INTEGER PRIMARY KEY AUTOINCREMENT, seq INTEGER NOT NULL)",
+        "CREATE TRIGGER memory_keys_tombstone AFTER DELETE ON memory_keys "
+        "BEGIN INSERT INTO key_tombstones(seq) VALUES (old.seq); END",
+        "INSERT INTO meta(name, value) VALUES ('rows_version', 0)",
+        """CREATE TRIGGER memories_visibility AFTER UPDATE OF deleted_at, expires_at, valid_from,
+               valid_to, kind, user_id, agent_id, session_id ON memories
+           WHEN old.deleted_at IS NOT new.deleted_at OR old.expires_at IS NOT new.expires_at
+             OR old.valid_from IS NOT new.valid_from OR old.valid_to IS NOT new.valid_to
+             OR old.kind IS NOT new.kind OR old.user_id IS NOT new.user_id
+             OR old.agent_id IS NOT new.agent_id OR old.session_id IS NOT new.session_id
+           BEGIN UPDATE meta SET value = value + 1 WHERE name = 'rows_version'; END""",
+    ]),
+    ("0003_jobs_sessions", [
+        """CREATE TABLE jobs (
+            id TEXT PRIMARY KEY,
+            key TEXT UNIQUE,
+            fingerprint TEXT,
+            kind TEXT NOT NULL,
+            user_id TEXT, agent_id TEXT, session_id TEXT,
+            payload TEXT NOT NULL,
+            status TEXT NOT NULL,
+            attempts INTEGER NOT NULL DEFAULT 0,
+            run_at REAL NOT NULL,
+            lease_until REAL,
+            result TEXT, error TEXT,
+            created_at REAL NOT NULL, updated_at REAL NOT NULL)""",
+        "CREATE INDEX jobs_runnable ON jobs(status, run_at)",
+        "CREATE INDEX jobs_scope ON jobs(user_id, agent_id, session_id)",
+        # `scope_key` makes (user_id, agent_id, session_id) one key even where some are NULL.
+        """CREATE TABLE sessions (
+            scope_key TEXT PRIMARY KEY,
+            user_id TEXT, agent_id TEXT, session_id TEXT NOT NULL,
+            policy TEXT NOT NULL, summary TEXT NOT NULL, summary_upto TEXT,
+            state TEXT NOT NULL, metadata TEXT NOT NULL,
+            created_at REAL NOT NULL, updated_at REAL NOT NULL, ended_at REAL)""",
+        "CREATE INDEX sessions_user ON sessions(user_id, updated_at)",
+    ]),
+]
+
+
+def migrate(db: Connections) -> None:
+    """Apply the pending migrations, all in one transaction (an upgrade happens whole or not)."""
+    with db.transaction() as c:
+        c.execute("CREATE TABLE IF NOT EXISTS schema_migrations "
+                  "(name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+        done = {r[0] for r in c.execute("SELECT name FROM schema_migrations")}
+        for name, statements in MIGRATIONS:
+            if name in done:
+                continue
+            for stmt in statements:
+                c.execute(stmt)
+            c.execute("INSERT INTO schema_migrations VALUES (?, ?)", (name, time.time()))
+            log.info("applied migration %s to %s", name, db.label)
+
+
+def applied(db: Connections) -> list[str]:
+    return [r[0] for r in db.read("SELECT name FROM schema_migrations ORDER BY name")]

@@ -1,0 +1,120 @@
+"""The SQLite backend's SQL, built without I/O: its dialect (times as epoch seconds, JSON as
+text), filter conditions over `json_extract`, the FTS5 match and the dense cache's reads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from ...filters import RECORD_FIELDS, Condition
+from ...model import MemoryRecord, Scope
+from .. import records as r
+from ..base import Query
+
+BUMP_KEYS = "UPDATE meta SET value = value + 1 WHERE name = 'keys_version'"
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def condition_sql(c: Condition) -> tuple[str, list[Any]]:
+    """One filter condition over alias `m`, with SQLite's comparison of JSON values."""
+    if c.metadata:
+        target, tparams = "json_extract(m.metadata, ?)", [f'$."{c.field}"']
+    else:
+        if c.field not in RECORD_FIELDS:  # a closed set: the column name is never user text
+            raise ValueError(f"not a record field: {c.field!r}")
+        target, tparams = f"m.{c.field}", []
+    if c.op == "eq":
+        if c.value is None:
+            return f"{target} IS NULL", tparams
+        return f"{target} = ?", [*tparams, c.value]
+    if c.op == "ne":
+        return f"{target} IS NOT ?", [*tparams, c.value]
+    if c.op in ("in", "nin"):
+        marks = ", ".join("?" * len(c.value))
+        if c.op == "in":
+            return f"{target} IN ({marks})", [*tparams, *c.value]
+        return f"({target} IS NULL OR {target} NOT IN ({marks}))", [*tparams, *tparams, *c.value]
+    sym = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}[c.op]
+    return f"{target} {sym} ?", [*tparams, c.value]
+
+
+def _read_array(value: str) -> list[str]:
+    out: list[str] = json.loads(value)
+    return out
+
+
+DIALECT = r.Dialect(
+    name="sqlite", mark="?", tenant=False, seq="rid", arrays=False, chunk=900,
+    nulls_last="",  # NULL sorts first, so last in a DESC order
+    time=lambda v: v.timestamp(), read_time=lambda v: datetime.fromtimestamp(v, UTC),
+    json=_dumps, jsonb=_dumps, read_json=json.loads, array=lambda v: _dumps(list(v)),
+    read_array=_read_array, condition=condition_sql,
+)
+
+
+# -- memory rows and their lexical index -------------------------------------------------------------
+
+def insert_memory(rec: MemoryRecord) -> r.Stmt:
+    names = r.MEMORY_COLUMNS
+    return (f"INSERT INTO memories ({', '.join(names)}) VALUES ({DIALECT.marks(len(names))})",
+            r.memory_values(DIALECT, rec))
+
+
+def update_memory(rec: MemoryRecord) -> r.Stmt:
+    sets = ", ".join(f"{c} = ?" for c in r.MEMORY_COLUMNS[1:])
+    return f"UPDATE memories SET {sets} WHERE id = ?", [*r.memory_values(DIALECT, rec)[1:], rec.id]
+
+
+def owner_tokens(scope: Scope) -> list[str]:
+    """Opaque full-text tokens for the set fields of a scope (letters and digits only, so the
+    tokenizer keeps each whole; hashed, so ids of any shape fit)."""
+    return ["o" + hashlib.sha256(f"{field}\x1f{value}".encode()).hexdigest()[:24]
+            for field, value in scope.as_dict().items() if value is not None]
+
+
+def index_text(rid: int, scope: Scope, body: str, previous: str) -> r.Stmt:
+    return ("INSERT INTO memory_fts(rowid, body, context, owner) VALUES (?, ?, ?, ?)",
+            [rid, body, previous, " ".join(owner_tokens(scope))])
+
+
+def lexical(query: Query, terms: Sequence[str], k: int, previous_weight: float) -> r.Stmt:
+    """BM25 over the body and (weighted by `previous_weight`) the previous turn. The scope's
+    owner tokens go into the MATCH, so the index intersects with the scope itself instead of
+    scoring every tenant's matches; each term is quoted, so FTS syntax in it is data."""
+    match = "(" + " OR ".join('"' + t.replace('"', '""') + '"' for t in terms) + ")"
+    owners = owner_tokens(query.scope)
+    if owners:
+        match = " AND ".join([*(f'owner : "{o}"' for o in owners), match])
+    where, params = r.compile_query(DIALECT, query, "")
+    return ("SELECT m.id, -bm25(memory_fts, 1.0, ?, 0.0) AS s FROM memory_fts "
+            f"JOIN memories m ON m.rid = memory_fts.rowid WHERE memory_fts MATCH ? AND {where} "
+            "ORDER BY s DESC LIMIT ?", [previous_weight, match, *params, k])
+
+
+# -- the dense cache's reads (see slab.py) ------------------------------------------------------------
+
+def new_keys(scope: Scope, key_name: str, after_seq: int) -> r.Stmt:
+    """Keys added since `after_seq` of live memories of the scope, with what visibility needs."""
+    w = r.Where(DIALECT, "").add("k.seq > ?", after_seq).add("k.kind = ?", key_name)
+    w.add("m.deleted_at IS NULL").scope(scope)
+    return ("SELECT k.seq, k.memory_id, k.vector, m.kind, m.expires_at, m.valid_from, m.valid_to "
+            f"FROM memory_keys k JOIN memories m ON m.id = k.memory_id WHERE {w.sql} ORDER BY k.seq",
+            w.params)
+
+
+def key_attrs(scope: Scope, key_name: str, upto_seq: int) -> r.Stmt:
+    """What visibility needs, for every key up to `upto_seq` of live memories of the scope."""
+    w = r.Where(DIALECT, "").add("k.kind = ?", key_name).add("k.seq <= ?", upto_seq)
+    w.add("m.deleted_at IS NULL").scope(scope)
+    return ("SELECT k.seq, m.kind, m.expires_at, m.valid_from, m.valid_to "
+            f"FROM memory_keys k JOIN memories m ON m.id = k.memory_id WHERE {w.sql}", w.params)
+
+
+def alive_keys(seqs: Sequence[int]) -> r.Stmt:
+    return f"SELECT seq FROM memory_keys WHERE seq IN ({DIALECT.marks(len(seqs))})", list(seqs)

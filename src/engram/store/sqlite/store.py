@@ -1,0 +1,306 @@
+"""The embedded default store: one SQLite file (WAL, FTS5, vectors as float32 blobs).
+
+The database is the source of truth. Dense search runs over an in-process matrix per scope,
+a cache that is rebuilt (incrementally) from the `memory_keys` table whenever another writer
+has changed it; a stale cache entry is caught by re-checking candidates against the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import StoreError
+from ...model import Job, JobStatus, MemoryRecord
+from .. import records as r
+from ..base import Key, Lexical, Query, Select
+from ..sqlstore import Run, SQLStore, SQLTx
+from . import schema, sql
+from .conn import Connections
+from .slab import Slab
+
+log = logging.getLogger("engram.store")
+
+
+class SQLiteStore(SQLStore):
+    """`Store` over one SQLite file; safe across threads and processes."""
+
+    dialect = sql.DIALECT
+    MAX_SLABS = 16
+
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
+        self.path = Path(path)
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.busy_timeout_s = busy_timeout_s
+        self._db = Connections(self.path, busy_timeout_s=busy_timeout_s)
+        self._local = threading.local()  # .dirty: this thread's open write changed keys
+        self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
+        self._slabs_lock = threading.Lock()
+        schema.migrate(self._db)
+
+    # -- connections and transactions ----------------------------------------------------------
+
+    def _reader(self) -> AbstractContextManager[Run]:
+        return nullcontext(self._db.read)
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def write(self) -> Iterator[SQLiteTx]:
+        """One write transaction (BEGIN IMMEDIATE), retried while another process holds the lock."""
+        with self._db.transaction() as conn:
+            tx = SQLiteTx(conn, self._local)
+            try:
+                yield tx
+                if tx.keys_changed:
+                    conn.execute(sql.BUMP_KEYS)
+            finally:
+                self._local.dirty = False
+
+    def migrations(self) -> list[str]:
+        return schema.applied(self._db)
+
+    def _db_bytes(self, run: Run) -> int | None:
+        if not self.path.exists():
+            return None
+        return sum(p.stat().st_size for p in self.path.parent.glob(self.path.name + "*"))
+
+    # -- dense search over the in-process cache ------------------------------------------------
+
+    def _slab(self, query: Query, key_name: str, dim: int) -> tuple[Slab, bool]:
+        """The scope's cache, refreshed; and whether it is exact (its visibility attributes
+        may be used instead of re-checking candidates against the tables)."""
+        scope = query.scope
+        meta = dict(self._read("SELECT name, value FROM meta"))
+        version: int = meta["keys_version"]
+        rows_version: int = meta["rows_version"]
+        in_tx = self._db.get().in_transaction
+        key = (scope.user_id, scope.agent_id, scope.session_id, key_name)
+        with self._slabs_lock:
+            slab = self._slabs.get(key)
+            if slab is None or slab.mat.shape[1] != dim:
+                slab = Slab(dim)
+                self._slabs[key] = slab
+            self._slabs.move_to_end(key)
+            while len(self._slabs) > self.MAX_SLABS:
+                self._slabs.popitem(last=False)
+            # Inside a write that already changed keys, this connection sees rows that may yet
+            # roll back: use the cache as it is (committed state) rather than load them.
+            if slab.version != version and not getattr(self._local, "dirty", False):
+                # Tombstones first, then keys: a key deleted in between is either not
+                # loaded or leaves a tombstone past `tomb_max`, applied next time.
+                if slab.tomb_max < 0:
+                    slab.tomb_max = self._read(
+                        "SELECT coalesce(max(id), 0) FROM key_tombstones")[0][0]
+                else:
+                    dead = self._read("SELECT id, seq FROM key_tombstones WHERE id > ? "
+                                      "ORDER BY id", [slab.tomb_max])
+                    if dead:
+                        slab.kill([d[1] for d in dead])
+                        slab.tomb_max = dead[-1][0]
+                rows = self._read(*sql.new_keys(scope, key_name, slab.max_seq))
+                if rows:
+                    vecs = np.frombuffer(b"".join(row[2] for row in rows), dtype=np.float32)
+                    slab.append([row[0] for row in rows], [row[1] for row in rows],
+                                vecs.reshape(len(rows), dim), [row[3:] for row in rows])
+                    if in_tx:  # their rows may carry this write's uncommitted changes
+                        slab.rows_version = -1
+                slab.version = version
+            if not in_tx and slab.rows_version != rows_version:
+                slab.reset_attrs(self._read(*sql.key_attrs(scope, key_name, slab.max_seq)))
+                slab.rows_version = rows_version
+            exact = not in_tx and slab.version == version and slab.rows_version == rows_version
+            return slab, exact
+
+    def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
+        return set(self.read_ids(Select.of(query, ids=tuple(ids), order=None))) if ids else set()
+
+    def dense(self, query: Query, vector: np.ndarray, k: int,
+              key: str = "text") -> list[tuple[str, float]]:
+        vector = np.asarray(vector, dtype=np.float32)
+        slab, exact = self._slab(query, key, vector.shape[0])
+        if exact:
+            with self._slabs_lock:
+                rows = np.flatnonzero(slab.visible(query))
+                sims = slab.mat[rows] @ vector if len(rows) < slab.n // 2 else \
+                    (slab.mat[:slab.n] @ vector)[rows]
+                mids = slab.memory_ids
+                # Without metadata conditions the cache decides; with them, the database
+                # checks the best candidates in growing pools.
+                pool = min(len(rows), k if not query.conditions else 4 * k + 64)
+                while True:
+                    top = np.argpartition(-sims, pool - 1)[:pool] if pool < len(rows) \
+                        else np.arange(len(rows))
+                    top = top[np.argsort(-sims[top], kind="stable")]
+                    best: dict[str, float] = {}
+                    for i in top:
+                        best.setdefault(mids[rows[i]], float(sims[i]))
+                    if query.conditions:
+                        visible = self._visible(query, list(best))
+                        best = {mid: s for mid, s in best.items() if mid in visible}
+                    if len(best) >= k or pool >= len(rows):
+                        return list(best.items())[:k]
+                    pool = min(len(rows), pool * 4)
+        # Inside a write: check each candidate against the tables.
+        with self._slabs_lock:
+            n = slab.n
+            sims = slab.mat[:n] @ vector
+            sims[~slab.alive[:n]] = -np.inf
+            seqs = slab.seqs[:n].copy()
+            mids = slab.memory_ids[:n]
+        pool = min(n, 4 * k + 64)
+        while True:
+            top = np.argpartition(-sims, pool - 1)[:pool] if pool < n else np.arange(n)
+            top = top[np.isfinite(sims[top])]
+            top = top[np.argsort(-sims[top], kind="stable")]
+            alive = self._alive_seqs([int(seqs[i]) for i in top])
+            dead = [i for i in top if int(seqs[i]) not in alive]
+            # Not from inside a write: a key it deleted comes back if the write rolls back.
+            if dead and not self._db.get().in_transaction:
+                with self._slabs_lock:
+                    slab.alive[dead] = False
+            best = {}
+            for i in top:
+                if int(seqs[i]) in alive and mids[i] not in best:
+                    best[mids[i]] = float(sims[i])
+            visible = self._visible(query, list(best))
+            hits = [(mid, s) for mid, s in best.items() if mid in visible]
+            if len(hits) >= k or pool >= n:
+                return hits[:k]
+            pool = min(n, pool * 4)
+
+    def _alive_seqs(self, seqs: list[int]) -> set[int]:
+        out: set[int] = set()
+        for i in range(0, len(seqs), self.dialect.chunk):
+            out.update(row[0] for row in self._read(*sql.alive_keys(seqs[i:i + self.dialect.chunk])))
+        return out
+
+    # -- the rest of the engine-specific primitives --------------------------------------------
+
+    def lexical(self, query: Query, terms: Sequence[str], k: int,
+                previous_weight: float = 0.5) -> list[tuple[str, float]]:
+        if not terms:
+            return []
+        return [(row[0], float(row[1]))
+                for row in self._read(*sql.lexical(query, terms, k, previous_weight))]
+
+    def touch(self, ids: Sequence[str], at: datetime) -> None:
+        if not ids:
+            return
+        conn = self._db.get()
+        try:
+            conn.execute("PRAGMA busy_timeout = 20")
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(
+                "UPDATE memories SET access_count = access_count + 1, last_accessed_at = ? "
+                f"WHERE id IN ({self.dialect.marks(len(ids))})", [at.timestamp(), *ids])
+            conn.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            log.debug("access tracking skipped: %s", exc)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+
+    def claim_job(self, now: datetime, lease_until: datetime) -> Job | None:
+        d = self.dialect
+        runnable = r.runnable_jobs(d, "", now)
+        with self.write() as tx:  # BEGIN IMMEDIATE: one claimer at a time across processes
+            rows = tx.conn.execute(f"SELECT {r.columns('m', r.JOB_COLUMNS)} FROM jobs m "
+                                   f"WHERE {runnable.sql} ORDER BY m.run_at, m.id LIMIT 1",
+                                   runnable.params).fetchall()
+            if not rows:
+                return None
+            job = r.read_job(d, rows[0])
+            claimed = replace(job, status=JobStatus.RUNNING, attempts=job.attempts + 1,
+                              lease_until=lease_until, updated_at=now)
+            tx.put_job(claimed)
+        return claimed
+
+    def reclaim(self) -> None:
+        try:
+            with self.write() as tx:
+                tx.conn.execute("INSERT INTO memory_fts(memory_fts) VALUES ('optimize')")
+            self._db.get().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as exc:
+            raise StoreError(f"reclaim failed: {exc}") from exc
+
+
+class SQLiteTx(SQLTx):
+    """The writes of one transaction (see `Tx` in store/base.py): rows, their FTS5 entry and
+    their keys; a key change marks the thread dirty, so the dense cache waits for the commit."""
+
+    dialect = sql.DIALECT
+    unique_violation = sqlite3.IntegrityError
+
+    def __init__(self, conn: sqlite3.Connection, local: threading.local) -> None:
+        self.conn = conn
+        self.local = local
+        self.keys_changed = False
+
+    def _exec(self, stmt: str, params: Sequence[Any] = ()) -> None:
+        self.conn.execute(stmt, params)
+
+    def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: Lexical) -> None:
+        cur = self.conn.execute(*sql.insert_memory(record))
+        assert cur.lastrowid is not None
+        self._exec(*sql.index_text(cur.lastrowid, record.scope, lexical.body, lexical.previous))
+        self._put_keys(record.id, keys)
+
+    def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
+        self.conn.executemany(
+            "INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
+            [(memory_id, k.name, np.asarray(k.vector, dtype=np.float32).tobytes()) for k in keys])
+        self.keys_changed = True
+        self.local.dirty = True
+
+    def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
+               lexical: Lexical | None = None) -> None:
+        self._exec(*sql.update_memory(record))
+        if keys is not None:
+            self._exec("DELETE FROM memory_keys WHERE memory_id = ?", (record.id,))
+            self._put_keys(record.id, keys)
+        if lexical is not None:
+            (rid,), = self.conn.execute("SELECT rid FROM memories WHERE id = ?", (record.id,))
+            self._exec("DELETE FROM memory_fts WHERE rowid = ?", (rid,))
+            self._exec(*sql.index_text(rid, record.scope, lexical.body, lexical.previous))
+
+    def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
+        for chunk in _chunks(ids, self.dialect.chunk):
+            marks = self.dialect.marks(len(chunk))
+            self._exec(f"UPDATE memories SET deleted_at = ?, updated_at = ? WHERE id IN ({marks})",
+                       [at.timestamp(), at.timestamp(), *chunk])
+            self._drop_index(chunk)
+
+    def _drop_index(self, ids: Sequence[str]) -> None:
+        marks = self.dialect.marks(len(ids))
+        self._exec(f"DELETE FROM memory_keys WHERE memory_id IN ({marks})", ids)
+        self._exec(f"DELETE FROM memory_fts WHERE rowid IN "
+                   f"(SELECT rid FROM memories WHERE id IN ({marks}))", ids)
+        self.keys_changed = True
+        self.local.dirty = True
+
+    def erase(self, ids: Sequence[str]) -> None:
+        for chunk in _chunks(ids, self.dialect.chunk):
+            marks = self.dialect.marks(len(chunk))
+            self._drop_index(chunk)
+            self._exec(f"DELETE FROM events WHERE memory_id IN ({marks})", chunk)
+            self._exec(f"DELETE FROM memories WHERE id IN ({marks})", chunk)
+
+
+def _chunks(items: Sequence[str], size: int) -> Iterator[list[str]]:
+    items = list(items)
+    for i in range(0, len(items), size):
+        yield items[i:i + size]

@@ -1,0 +1,135 @@
+"""The primitives both SQL backends share, written once over the statements of `records`: a
+backend gives a way to run a statement and keeps only what its engine does differently.
+
+`SQLStore` implements the record, event, job, session and stats reads of `StoreBase`;
+`SQLTx` the writes that need no index maintenance (events, jobs, sessions).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+from datetime import datetime
+from typing import Any
+
+from ..errors import Conflict
+from ..model import Event, Job, MemoryRecord, Scope, Session
+from . import records as r
+from .base import Candidate, Seen, Select, Stats, StoreBase, job_counts
+
+Run = Callable[[str, Sequence[Any]], list[Any]]  # runs one statement, returns its rows
+
+
+class SQLStore(StoreBase):
+    """`StoreBase` over SQL: subclasses set `dialect` and `tenant` and implement `_reader`,
+    plus the engine-specific primitives (write, dense, lexical, claim_job, touch, reclaim)."""
+
+    dialect: r.Dialect
+    tenant: str = ""
+
+    @abstractmethod
+    def _reader(self) -> AbstractContextManager[Run]:
+        """Runs statements on one connection (in this thread's open write, if any)."""
+
+    def _db_bytes(self, run: Run) -> int | None:
+        """The database's size on disk, where it is this store's alone."""
+        return None
+
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        with self._reader() as run:
+            return run(sql, params)
+
+    def read_memories(self, sel: Select) -> list[MemoryRecord]:
+        d = self.dialect
+        return [r.read_memory(d, row) for row in self._rows(sel, r.MEMORY_COLUMNS)]
+
+    def read_ids(self, sel: Select) -> list[str]:
+        return [row[0] for row in self._rows(sel, ("id",))]
+
+    def candidates(self, ids: Sequence[str]) -> dict[str, Candidate]:
+        out: dict[str, Candidate] = {}
+        if ids:
+            rows = self._rows(Select(ids=tuple(ids), seen=Seen.ALL, order=None), r.CANDIDATE_COLUMNS)
+            r.read_candidates(self.dialect, rows, out)
+        return out
+
+    def _rows(self, sel: Select, names: tuple[str, ...]) -> list[Any]:
+        """The rows of `sel`; a long list of ids is read a chunk at a time (the rows come in
+        `sel`'s order within each chunk, the chunks in id order)."""
+        d = self.dialect
+        if sel.ids is None or len(sel.ids) <= d.chunk:
+            return self._read(*r.select_memories(d, sel, self.tenant, names))
+        ids = sorted(set(sel.ids))
+        out: list[Any] = []
+        with self._reader() as run:
+            for i in range(0, len(ids), d.chunk):
+                chunk = replace(sel, ids=tuple(ids[i:i + d.chunk]))
+                out += run(*r.select_memories(d, chunk, self.tenant, names))
+        return out
+
+    def events(self, memory_id: str) -> list[Event]:
+        d = self.dialect
+        return [r.read_event(d, row) for row in self._read(*r.select_events(d, self.tenant, memory_id))]
+
+    def read_jobs(self, *, id: str | None = None, key: str | None = None,
+                  scope: Scope | None = None, status: str | None = None,
+                  limit: int | None = None) -> list[Job]:
+        d = self.dialect
+        stmt = r.select_jobs(d, self.tenant, id=id, key=key, scope=scope, status=status, limit=limit)
+        return [r.read_job(d, row) for row in self._read(*stmt)]
+
+    def read_sessions(self, scope: Scope, *, exact: bool, limit: int) -> list[Session]:
+        d = self.dialect
+        stmt = r.select_sessions(d, self.tenant, scope, exact=exact, limit=limit)
+        return [r.read_session(d, row) for row in self._read(*stmt)]
+
+    def stats(self, scope: Scope, now: datetime) -> Stats:
+        stmts = r.stats_statements(self.dialect, self.tenant, scope, now)
+        with self._reader() as run:  # one connection: on PostgreSQL, one snapshot
+            by_kind = {kind: int(n) for kind, n in run(*stmts["by_kind"])}
+            ((deleted, superseded, expired),) = run(*stmts["hidden"])
+            ((scopes,),) = run(*stmts["scopes"])
+            ((events,),) = run(*stmts["events"])
+            jobs = {status: int(n) for status, n in run(*stmts["jobs"])}
+            size = self._db_bytes(run)
+        return Stats(memories=sum(by_kind.values()), by_kind=by_kind, deleted=int(deleted),
+                     superseded=int(superseded), expired=int(expired), events=int(events),
+                     scopes=int(scopes), jobs=job_counts(jobs), db_bytes=size)
+
+
+class SQLTx:
+    """The writes of `Tx` that are plain statements; a backend adds insert, update, soft_delete
+    and erase (they maintain its indexes)."""
+
+    dialect: r.Dialect
+    tenant: str = ""
+    unique_violation: type[Exception]  # what the driver raises on a taken unique key
+
+    def _exec(self, sql: str, params: Sequence[Any] = ()) -> None:
+        raise NotImplementedError
+
+    def _savepoint(self) -> AbstractContextManager[Any]:
+        """Around a statement that may fail while the transaction should go on."""
+        return nullcontext()
+
+    def append(self, event: Event) -> None:
+        self._exec(*r.insert_event(self.dialect, self.tenant, event))
+
+    def put_job(self, job: Job) -> None:
+        try:
+            with self._savepoint():
+                self._exec(*r.upsert_job(self.dialect, self.tenant, job))
+        except self.unique_violation as exc:
+            raise Conflict(f"idempotency key {job.key!r} is already used by another job") from exc
+
+    def put_session(self, session: Session) -> None:
+        self._exec(*r.upsert_session(self.dialect, self.tenant, session))
+
+    def delete_session(self, scope: Scope) -> None:
+        self._exec(*r.delete_session(self.dialect, self.tenant, scope))
+
+    def erase_scope(self, scope: Scope) -> None:
+        for stmt in r.erase_scope(self.dialect, self.tenant, scope):
+            self._exec(*stmt)
