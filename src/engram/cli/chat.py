@@ -36,6 +36,8 @@ ENGRAM_LLM_MODEL), then run `engram chat` again. For example:
   export ENGRAM_LLM_BASE_URL=https://api.openai.com/v1 ENGRAM_LLM_API_KEY=sk-... ENGRAM_LLM_MODEL=gpt-4o-mini
 """
 
+MAX_SCOPES = 1000  # sessions with one id under other agents of the user, looked through
+
 INSTRUCTIONS = ("You are a helpful assistant with a long-term memory of the user. Use the recalled "
                 "memories when they are relevant, say so when you do not know, and keep answers short.")
 
@@ -84,7 +86,9 @@ class Chat:
         """Resume a stored session with its own policy; a new one gets the chat's policy."""
         s = self.settings
         handle = self.memory.session(session_id=session_id, user_id=s.user_id, agent_id=s.agent_id)
-        if self.memory.store.session(handle.scope) is not None:
+        stored = self.memory.sessions(user_id=s.user_id, agent_id=s.agent_id, session_id=handle.id,
+                                      limit=MAX_SCOPES)
+        if any(row.scope == handle.scope for row in stored):  # this very scope (agent None: none)
             return handle
         return self.memory.session(session_id=handle.id, user_id=s.user_id, agent_id=s.agent_id,
                                    policy=s.policy)
@@ -193,7 +197,7 @@ class Chat:
             found = hits[0].memory if hits else None
         if found is None:
             raise NotFound(f"no memory matches {target!r}")
-        self.memory.delete(found.id)
+        self.memory.delete(found.id, user_id=st.user_id, agent_id=st.agent_id)
         self.say(f"forgotten: {' '.join(found.text.split())[:200]}")
 
     def session_command(self, arg: str) -> None:

@@ -32,8 +32,7 @@ MAX_SESSIONS = 1000
 
 def _one_session(mem: Memory, session_id: str, user: str | None, agent: str | None) -> Session:
     """The session with this id in the given scope; refuses an ambiguous id."""
-    found = [s for s in mem.sessions(user_id=user, agent_id=agent, limit=MAX_SESSIONS)
-             if s.scope.session_id == session_id]
+    found = mem.sessions(user_id=user, agent_id=agent, session_id=session_id, limit=MAX_SESSIONS)
     if not found:
         raise NotFound(f"no session {session_id!r}" + (f" for user {user!r}" if user else ""))
     if len(found) > 1:

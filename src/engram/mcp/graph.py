@@ -150,7 +150,7 @@ def delete_entities(mem: Memory, names: Sequence[str], scope: Scope) -> tuple[li
     present = {r.metadata["entity"] for r in records if r.metadata.get(KG) == ENTITY}
     records += _relation_records(mem, scope, "from", wanted)
     records += _relation_records(mem, scope, "to", wanted)
-    _delete(mem, records)
+    _delete(mem, records, scope)
     asked = list(dict.fromkeys(names))
     return [n for n in asked if n in present], [n for n in asked if n not in present]
 
@@ -167,7 +167,7 @@ def delete_observations(mem: Memory, deletions: Sequence[tuple[str, Sequence[str
     drop = {(name, normalize(o)) for name, contents in deletions for o in contents}
     records = [rec for rec in _records(mem, scope, {KG: OBSERVATION, "entity": {"in": names}})
                if (rec.metadata["entity"], normalize(observation_of(rec))) in drop]
-    _delete(mem, records)
+    _delete(mem, records, scope)
     return len(records), [name for name in dict.fromkeys(n for n, _ in deletions) if name not in present]
 
 
@@ -181,7 +181,7 @@ def delete_relations(mem: Memory, relations: Sequence[Relation], scope: Scope) -
     drop = set(relations)
     records = [rec for rec in _relation_records(mem, scope, "from", [r.source for r in relations])
                if _relation(rec) in drop]
-    _delete(mem, records)
+    _delete(mem, records, scope)
     return len(records)
 
 
@@ -329,10 +329,10 @@ def _write(mem: Memory, messages: list[dict[str, Any]], scope: Scope) -> None:
         mem.add(messages, **_owner(scope), kind="semantic", infer=False)
 
 
-def _delete(mem: Memory, records: Iterable[MemoryRecord]) -> None:
+def _delete(mem: Memory, records: Iterable[MemoryRecord], scope: Scope) -> None:
     for rec_id in dict.fromkeys(r.id for r in records):
         with contextlib.suppress(NotFound):  # deleted meanwhile by another caller: same outcome
-            mem.delete(rec_id)
+            mem.delete(rec_id, **_owner(scope))
 
 
 # -- validation (before anything is read or written) ----------------------------------------------

@@ -21,8 +21,8 @@ from pydantic import Field
 
 from .. import Memory, __version__
 from ..config import Config
-from ..errors import EngramError, InvalidInput, NotFound
-from ..model import MemoryRecord, Scope
+from ..errors import EngramError, InvalidInput
+from ..model import Scope
 from . import graph, wire
 from .wire import (
     AddedObservations,
@@ -139,8 +139,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
                ctx: Context) -> ForgetResult:
         """Delete a memory. It disappears from every read; its history keeps what it was."""
         def run(mem: Memory) -> ForgetResult:
-            _owned(mem.get(id), owner)
-            mem.delete(id)
+            mem.delete(id, user_id=owner.user_id)  # another user's memory is NotFound
             return ForgetResult(deleted=id, message=f"memory {id} deleted")
         return call(ctx, run)
 
@@ -305,8 +304,3 @@ def _request_of(ctx: Context) -> Any:
     except ValueError:  # no request context: called outside a request (in-process use)
         return None
 
-
-def _owned(rec: MemoryRecord, owner: Scope) -> None:
-    # Ids are global; a memory of another user of the same Memory is as good as absent.
-    if rec.scope.user_id != owner.user_id:
-        raise NotFound(f"no memory with id {rec.id!r}")

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from ..errors import (
     Conflict,
     EngramError,
+    InProgress,
     InvalidFilter,
     InvalidInput,
     NotFound,
@@ -70,6 +71,9 @@ def classify(exc: EngramError) -> tuple[int, str, dict[str, str]]:
         return 422, "invalid_input", {}
     if isinstance(exc, NotFound):
         return 404, "not_found", {}
+    if isinstance(exc, InProgress):
+        # The IETF Idempotency-Key draft: 409 while the first request is being processed.
+        return 409, "in_progress", {"Retry-After": retry_after_header(exc.retry_after)}
     if isinstance(exc, Conflict):
         return 409, "conflict", {}
     if isinstance(exc, StoreBusy):
@@ -80,11 +84,6 @@ def classify(exc: EngramError) -> tuple[int, str, dict[str, str]]:
         return 503, "store_unavailable", retry
     if isinstance(exc, ProviderError):
         return 502, "provider_error", {}
-    from ..errors import InProgress  # type: ignore[attr-defined]  # TODO(engine merge): top import
-
-    if isinstance(exc, InProgress):
-        # The IETF Idempotency-Key draft: 409 while the first request is being processed.
-        return 409, "in_progress", {"Retry-After": retry_after_header(exc.retry_after)}
     return 500, "internal_error", {}
 
 

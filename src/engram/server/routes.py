@@ -24,7 +24,6 @@ from starlette.concurrency import run_in_threadpool
 from .. import Memory
 from ..errors import Conflict, InvalidFilter, NotFound
 from ..model import Kind, Session
-from ..working.session import list_sessions
 from .auth import Principal, require_admin
 from .errors import ServiceError
 from .ratelimit import retry_after_header
@@ -234,7 +233,7 @@ SessionId = Annotated[str, PathParam(min_length=1, max_length=MAX_ID)]
 
 def _find_session(mem: Memory, id: str, user_id: str | None, agent_id: str | None) -> Session:
     """The stored session with this id (in the given user / agent scope, if any)."""
-    found = list_sessions(mem, user_id=user_id, agent_id=agent_id, session_id=id, limit=1)
+    found = mem.sessions(user_id=user_id, agent_id=agent_id, session_id=id, limit=1)
     if not found:
         raise NotFound(f"no session with id {id!r}")
     return found[0]
