@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,6 +154,17 @@ def test_unknown_id_exits_1(db: Path, command: str) -> None:
     assert result.stdout == ""
 
 
+def test_jobs_lists_a_background_add(db: Path) -> None:
+    queued = run_json(db, "add", "Ana booked the 9:40 train", "-u", "ana", "--background")
+    assert isinstance(queued, dict) and queued["job"] is not None
+    job = queued["job"]["id"]
+    listed = run(db, "jobs", "-u", "ana").stdout
+    assert job in listed and " add " in listed  # the job's task, as the table shows it
+    rows = run_json(db, "jobs", "-u", "ana")
+    assert isinstance(rows, list)
+    assert [(r["id"], r["task"]) for r in rows] == [(job, "add")]
+
+
 # -- export / import -----------------------------------------------------------------------------
 
 def test_export_then_import_restores_memories(tmp_path: Path,
@@ -208,6 +222,20 @@ def test_broken_database_exits_3(tmp_path: Path) -> None:
     path.write_bytes(b"this is not a sqlite database at all " * 20)
     result = run(path, "stats", code=3)
     assert result.stderr.startswith("error: ")
+
+
+@pytest.mark.parametrize(("command", "module", "extra"), [
+    (["serve"], "fastapi", "server"), (["mcp"], "mcp", "mcp"), (["mcp", "-t", "http"], "mcp", "mcp")])
+def test_a_missing_extra_is_named(tmp_path: Path, command: list[str], module: str, extra: str) -> None:
+    # A fresh interpreter in which the extra's module cannot be imported, as in a core install.
+    code = f"import sys; sys.modules[{module!r}] = None; from engram.cli import app; app()"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_")}
+    done = subprocess.run([sys.executable, "-c", code, "--db", str(tmp_path / "x.db"), *command],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.strip() == (f"error: this needs engram's {extra} extra (no module {module!r}): "
+                                   f"pip install 'engram[{extra}]'")
+    assert done.stdout == ""
 
 
 # -- demo, help, docs ----------------------------------------------------------------------------

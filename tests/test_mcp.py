@@ -1,6 +1,6 @@
 """The MCP face, driven by the `mcp` SDK's own client: `engram mcp` as a subprocess over stdio and
 over streamable HTTP, an in-process HTTP server whose `resolve` picks a Memory per request, and the
-knowledge-graph mapping (`engram.graph`) checked directly against a real Memory."""
+knowledge-graph mapping (`engram.mcp.graph`) checked directly against a real Memory."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from mcp.client.streamable_http import streamable_http_client
 from typer.testing import CliRunner
 
 from engram import InvalidInput, Memory, NotFound, Scope
-from engram import graph as kg
 from engram.cli import app
 from engram.mcp import build_server, current_request
+from engram.mcp import graph as kg
 from engram.providers.embedders import MiniLM
 from server_kit import serve_in_thread
 
@@ -322,6 +322,16 @@ def test_relations_that_differ_only_in_type_stay_two(mem: Memory) -> None:
     both = [kg.Relation("Bob", "Ana", "knows"), kg.Relation("Bob", "Ana", "knows_well")]
     kg.create_relations(mem, both, OWNER)
     assert kg.read_graph(mem, OWNER).relations == both
+
+
+@pytest.mark.parametrize("text", ["likes coffee", "Likes coffee.", "  LIKES\tcoffee!? ", "ﬁne ﬁsh",
+                                  "Straße", "ends with colon:", "x", "", "Ünïcödé  é", "a.b. c"])
+def test_graph_compares_observations_as_engram_compares_facts(text: str) -> None:
+    # The graph keeps its own copy of engram's exact-duplicate form (it sees engram only
+    # through Memory); the two must agree, or a repeat would be reported as new.
+    from engram.pipeline.text import normalize
+
+    assert kg.normalize(text) == normalize(text)
 
 
 def test_search_nodes_ranks_by_meaning(mem: Memory) -> None:

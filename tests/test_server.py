@@ -4,6 +4,7 @@ real MiniLM embedder: routes, auth and roles, tenant isolation, bounds, rate lim
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -185,10 +186,43 @@ def test_idempotency_key_retried_100_times_adds_once(any_svc: Service) -> None:
 
     other = svc.call("a-member", "POST", "/v1/memories", headers=headers,
                      json={"messages": "Ana booked the 11:00 train", "user_id": "ana"})
-    assert other.status_code == 409 and error_code(other) == "conflict"
+    # The IETF Idempotency-Key draft: a key reused with another payload is a 422.
+    assert other.status_code == 422 and error_code(other) == "idempotency_key_reused"
     # Keys are per tenant: tenant b's request under the same key is its own.
     assert svc.call("b-member", "POST", "/v1/memories", json=body, headers=headers).status_code == 201
     assert len(svc.call("a-member", "GET", "/v1/memories").json()["items"]) == 1
+
+
+def test_idempotency_key_of_a_queued_request_answers_409_with_retry_after(
+        tmp_path: Path, embedder: MiniLM) -> None:
+    # No in-process worker: the first request stays queued, so a retry cannot be answered yet.
+    with service(tmp_path, embedder, worker="off") as svc:
+        body = {"messages": "Ana booked the 9:40 train", "user_id": "ana"}
+        headers = {"Idempotency-Key": "req-queued-0001"}
+        queued = svc.call("a-member", "POST", "/v1/memories", json={**body, "background": True},
+                          headers=headers)
+        assert queued.status_code == 202, queued.text
+        retry = svc.call("a-member", "POST", "/v1/memories", json=body, headers=headers)
+        assert retry.status_code == 409 and error_code(retry) == "in_progress", retry.text
+        assert int(retry.headers["Retry-After"]) >= 1
+        assert "queued" in retry.json()["error"]["message"]
+        # A background retry is not held up: it answers the job it already queued.
+        again = svc.call("a-member", "POST", "/v1/memories", json={**body, "background": True},
+                         headers=headers)
+        assert again.status_code == 202 and again.json()["job"]["id"] == queued.json()["job"]["id"]
+        # Another body under the key is still a reuse, whatever the first request's state.
+        other = svc.call("a-member", "POST", "/v1/memories", headers=headers,
+                         json={"messages": "Ana booked the 11:00 train", "user_id": "ana"})
+        assert other.status_code == 422 and error_code(other) == "idempotency_key_reused"
+
+
+def test_without_the_mcp_extra_the_service_serves_no_mcp(tmp_path: Path, embedder: MiniLM,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mcp", None)  # as if the mcp extra were not installed
+    with service(tmp_path, embedder) as svc:
+        r = svc.call("a-member", "POST", "/mcp", json={})
+        assert r.status_code == 404 and error_code(r) == "not_found"
+        assert svc.call("a-member", "GET", "/v1/memories").status_code == 200
 
 
 # -- auth --------------------------------------------------------------------------------------

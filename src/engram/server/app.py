@@ -9,10 +9,11 @@ Layers, outermost first: metrics (latency per route), the body size limit (413),
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -20,12 +21,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from .. import __version__
+from .. import Memory, __version__
 from ..config import Config
 from ..errors import EngramError
 from ..providers.embedders import Embedder, get_embedder
 from .auth import Authenticator
 from .errors import ServiceError, error_response, from_engram_error, validation_message
+from .guard import Guard, principal_of
 from .keys import KeyStore, open_key_store
 from .limits import BodyLimitMiddleware, ServiceLimits
 from .metrics import Metrics, MetricsMiddleware
@@ -33,6 +35,9 @@ from .ratelimit import RateLimiter
 from .routes import router
 from .schemas import ErrorOut, HealthOut
 from .tenants import Tenants
+
+if TYPE_CHECKING:
+    from ..mcp.mount import Mount
 
 log = logging.getLogger("engram.server")
 
@@ -42,7 +47,8 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
                mcp: bool = True) -> FastAPI:
     """The service app. `embedder` is shared by every tenant (default: the configured one);
     `keys` defaults to the key store beside the database; `auth=False` serves the single-user
-    database to anyone who can reach the port."""
+    database to anyone who can reach the port. The MCP server is at /mcp unless `mcp=False` or
+    the MCP SDK (the mcp extra) is not installed."""
     config = config or Config.from_env()
     limits = limits or ServiceLimits()
     embedder = embedder or get_embedder(config.embedder)
@@ -50,13 +56,14 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     key_store = (keys or open_key_store(config)) if auth else None
     tenants = Tenants(config, embedder)
     metrics = Metrics(tenants)
-    mcp_app = _mcp_app(tenants) if mcp else None
+    # /mcp is served when the MCP SDK (engram's mcp extra) is installed.
+    mcp_mount = _mcp_mount(tenants) if mcp and importlib.util.find_spec("mcp") is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
-            if mcp_app is not None:
-                async with mcp_app.lifespan():
+            if mcp_mount is not None:
+                async with mcp_mount.lifespan():
                     yield
             else:
                 yield
@@ -78,10 +85,11 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     app.include_router(router)
     _add_probes(app, key_store, tenants)
     _add_error_handlers(app)
-    if mcp_app is not None:
+    if mcp_mount is not None:
         # A route, not a mount: a mount would redirect /mcp to /mcp/, which MCP clients do not follow.
-        app.router.routes.append(Route("/mcp", mcp_app.asgi(app.state.auth, app.state.limiter),
-                                       methods=["GET", "POST", "DELETE"], include_in_schema=False))
+        guarded = Guard(mcp_mount.app, app.state.auth, app.state.limiter, route="/mcp")
+        app.router.routes.append(Route("/mcp", guarded, methods=["GET", "POST", "DELETE"],
+                                       include_in_schema=False))
     # Outermost last: the body limit wraps FastAPI, the metrics wrap everything.
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
@@ -141,12 +149,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal_error", "internal error (logged on the server)")
 
 
-def _mcp_app(tenants: Tenants) -> Any:
-    """The MCP server's streamable HTTP app, if this engram has one (see server/mcp_mount.py)."""
-    import importlib.util
+def _mcp_mount(tenants: Tenants) -> Mount:
+    """The MCP server at /mcp: each tool call acts on the tenant of the key it came with."""
+    from ..mcp.mount import Mount  # the SDK is imported only when the endpoint is served
 
-    if importlib.util.find_spec("engram.mcp") is None:
-        return None
-    from .mcp_mount import MCPMount
+    def resolve(request: Request | None) -> Memory:
+        return tenants.get(principal_of(request.scope if request is not None else None).tenant)
 
-    return MCPMount.create(tenants)
+    return Mount(resolve)

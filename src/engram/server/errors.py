@@ -5,9 +5,12 @@ stable code, and each engram error maps to the HTTP status that tells a client w
     unauthorized         401     no bearer key, or a key that is unknown or revoked
     forbidden            403     the key's role may not do this (erase, export, import)
     not_found            404     no such memory / job / session in this tenant (never 403)
-    conflict             409     an Idempotency-Key reused with a different request
+    in_progress          409     the first request with this Idempotency-Key is still queued or
+                                 running (engram.errors.InProgress); retry after Retry-After
+    conflict             409     the request conflicts with what is stored (engram.errors.Conflict)
     payload_too_large    413     the request body is over the limit
     invalid_input        422     bad arguments (engram.errors.InvalidInput, request validation)
+    idempotency_key_reused 422   an Idempotency-Key reused with a different request body
     rate_limited         429     the tenant's request budget is spent; see Retry-After
     store_busy           503     the database stayed locked; retry after Retry-After
     store_unavailable    503     the database cannot be reached; retry after Retry-After
@@ -24,6 +27,7 @@ from fastapi.responses import JSONResponse
 from ..errors import (
     Conflict,
     EngramError,
+    InProgress,
     InvalidFilter,
     InvalidInput,
     NotFound,
@@ -31,6 +35,7 @@ from ..errors import (
     StoreBusy,
     StoreError,
 )
+from .ratelimit import retry_after_header
 
 STORE_RETRY_AFTER_S = 1  # how long a client should wait before retrying a 503
 
@@ -66,6 +71,9 @@ def classify(exc: EngramError) -> tuple[int, str, dict[str, str]]:
         return 422, "invalid_input", {}
     if isinstance(exc, NotFound):
         return 404, "not_found", {}
+    if isinstance(exc, InProgress):
+        # The IETF Idempotency-Key draft: 409 while the first request is being processed.
+        return 409, "in_progress", {"Retry-After": retry_after_header(exc.retry_after)}
     if isinstance(exc, Conflict):
         return 409, "conflict", {}
     if isinstance(exc, StoreBusy):

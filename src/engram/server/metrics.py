@@ -18,7 +18,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import EngramError
 from ..model import JobStatus
-from ..model import Scope as MemScope
 from .tenants import Tenants
 
 log = logging.getLogger("engram.server")
@@ -39,8 +38,9 @@ class _StoreGauges(Collector):
         n_mem = n_jobs = 0
         for mem in self.tenants:
             try:
-                n_mem += mem.stats().memories
-                n_jobs += len(mem.store.jobs(MemScope(), status=JobStatus.QUEUED.value, limit=100_000))
+                counts = mem.stats()
+                n_mem += counts.memories
+                n_jobs += counts.jobs[JobStatus.QUEUED.value]
             except EngramError as exc:  # a scrape must not fail because one tenant's db is down
                 log.warning("metrics: cannot read a tenant's counts: %s", exc)
         memories.add_metric([], n_mem)

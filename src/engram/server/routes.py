@@ -21,10 +21,9 @@ from fastapi.responses import FileResponse, JSONResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import InvalidFilter, NotFound
-from ..memory import Memory
+from .. import Memory
+from ..errors import Conflict, InvalidFilter, NotFound
 from ..model import Kind, Session
-from ..working.session import list_sessions
 from .auth import Principal, require_admin
 from .errors import ServiceError
 from .ratelimit import retry_after_header
@@ -59,7 +58,9 @@ NDJSON = "application/x-ndjson"
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     described = {401: "No or a bad API key", 403: "The key's role may not do this",
-                 404: "Not found in this tenant", 409: "Idempotency-Key reused with another body",
+                 404: "Not found in this tenant",
+                 409: "The first request with this Idempotency-Key is still in progress "
+                      "(code in_progress; see Retry-After)",
                  413: "Request body too large", 422: "Invalid input",
                  429: "Rate limited (see Retry-After)",
                  503: "Database unavailable or busy (see Retry-After)"}
@@ -97,17 +98,26 @@ ScopeQ = Annotated[str | None, Query(min_length=1, max_length=MAX_ID)]
 
 @router.post("/memories", status_code=201, response_model=AddOut, tags=["memories"],
              responses={202: {"model": AddOut, "description": "Queued as a background job"},
-                        **_errors(409)})
+                        **_errors(409),
+                        422: {"model": ErrorOut, "description": "Invalid input, or an "
+                              "Idempotency-Key reused with another body (idempotency_key_reused)"}})
 def add_memories(body: AddIn, ctx: Context,
                  idempotency_key: Annotated[str | None, Header(
                      min_length=1, max_length=MAX_IDEMPOTENCY_KEY,
-                     description="Retries with the same key and body do the add once; the same "
-                                 "key with another body answers 409.")] = None) -> Any:
+                     description="Retries with the same key and body do the add once; while the "
+                                 "first is still running they answer 409 with Retry-After; the "
+                                 "same key with another body answers 422.")] = None) -> Any:
     kwargs: dict[str, Any] = dict(
         **body.scope(), metadata=body.metadata, observed_at=body.observed_at, infer=body.infer,
         kind=body.kind, importance=body.importance, expires_at=body.expires_at)
-    result = ctx.mem.add(as_messages(body.messages), **kwargs, background=body.background,
-                         idempotency_key=idempotency_key)
+    try:
+        result = ctx.mem.add(as_messages(body.messages), **kwargs, background=body.background,
+                             idempotency_key=idempotency_key)
+    except Conflict as exc:
+        if idempotency_key is None:
+            raise
+        # The IETF Idempotency-Key draft: a key reused with another payload is a 422.
+        raise ServiceError(422, "idempotency_key_reused", str(exc)) from exc
     out = {"memories": [m.to_dict() for m in result.memories],
            "events": [e.to_dict() for e in result.events], "notes": list(result.notes),
            "job": result.job.to_dict() if result.job else None}
@@ -223,7 +233,7 @@ SessionId = Annotated[str, PathParam(min_length=1, max_length=MAX_ID)]
 
 def _find_session(mem: Memory, id: str, user_id: str | None, agent_id: str | None) -> Session:
     """The stored session with this id (in the given user / agent scope, if any)."""
-    found = list_sessions(mem, user_id=user_id, agent_id=agent_id, session_id=id, limit=1)
+    found = mem.sessions(user_id=user_id, agent_id=agent_id, session_id=id, limit=1)
     if not found:
         raise NotFound(f"no session with id {id!r}")
     return found[0]

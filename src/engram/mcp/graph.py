@@ -19,22 +19,22 @@ near-duplicate merges into what is stored (a MERGE event says so).
 from __future__ import annotations
 
 import contextlib
+import re
+import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .errors import InvalidInput, NotFound
-from .pipeline.text import normalize
-
-if TYPE_CHECKING:
-    from .memory import Memory
-    from .model import MemoryRecord, Scope
+from .. import Memory
+from ..errors import InvalidInput, NotFound
+from ..model import MemoryRecord, Scope
 
 KG = "kg"  # the metadata key marking a graph record
 ENTITY, OBSERVATION, RELATION = "entity", "observation", "relation"
 MAX_BATCH = 1000     # items per call: a tool call is one request, not a bulk import
 MAX_NAME_CHARS = 256  # entity names and types, relation types
 PAGE = 1000          # Memory.list's largest page
+_SPACE = re.compile(r"\s+")
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def delete_entities(mem: Memory, names: Sequence[str], scope: Scope) -> tuple[li
     present = {r.metadata["entity"] for r in records if r.metadata.get(KG) == ENTITY}
     records += _relation_records(mem, scope, "from", wanted)
     records += _relation_records(mem, scope, "to", wanted)
-    _delete(mem, records)
+    _delete(mem, records, scope)
     asked = list(dict.fromkeys(names))
     return [n for n in asked if n in present], [n for n in asked if n not in present]
 
@@ -167,7 +167,7 @@ def delete_observations(mem: Memory, deletions: Sequence[tuple[str, Sequence[str
     drop = {(name, normalize(o)) for name, contents in deletions for o in contents}
     records = [rec for rec in _records(mem, scope, {KG: OBSERVATION, "entity": {"in": names}})
                if (rec.metadata["entity"], normalize(observation_of(rec))) in drop]
-    _delete(mem, records)
+    _delete(mem, records, scope)
     return len(records), [name for name in dict.fromkeys(n for n, _ in deletions) if name not in present]
 
 
@@ -181,7 +181,7 @@ def delete_relations(mem: Memory, relations: Sequence[Relation], scope: Scope) -
     drop = set(relations)
     records = [rec for rec in _relation_records(mem, scope, "from", [r.source for r in relations])
                if _relation(rec) in drop]
-    _delete(mem, records)
+    _delete(mem, records, scope)
     return len(records)
 
 
@@ -252,6 +252,15 @@ def observation_of(rec: MemoryRecord) -> str:
     return rec.text.removeprefix(f"{rec.metadata['entity']}: ")
 
 
+def normalize(text: str) -> str:
+    """The form two observations share when they are the same observation: the form engram
+    gives a text to find exact duplicates (`Memory.add` stores one of them). A test keeps the
+    two in step; the graph has its own copy because it sees engram only through `Memory`."""
+    text = unicodedata.normalize("NFKC", text).casefold()
+    text = _SPACE.sub(" ", text).strip()
+    return text.rstrip(".!?;: ")
+
+
 def _observation_message(entity: str, entity_type: str, observation: str) -> dict[str, Any]:
     return {"content": observation_text(entity, observation),
             "metadata": {KG: OBSERVATION, "entity": entity, "entity_type": entity_type}}
@@ -320,10 +329,10 @@ def _write(mem: Memory, messages: list[dict[str, Any]], scope: Scope) -> None:
         mem.add(messages, **_owner(scope), kind="semantic", infer=False)
 
 
-def _delete(mem: Memory, records: Iterable[MemoryRecord]) -> None:
+def _delete(mem: Memory, records: Iterable[MemoryRecord], scope: Scope) -> None:
     for rec_id in dict.fromkeys(r.id for r in records):
         with contextlib.suppress(NotFound):  # deleted meanwhile by another caller: same outcome
-            mem.delete(rec_id)
+            mem.delete(rec_id, **_owner(scope))
 
 
 # -- validation (before anything is read or written) ----------------------------------------------

@@ -11,14 +11,17 @@ import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Annotated, TextIO
 
-from .errors import EngramError, InvalidInput, NotFound, ProviderError
+import typer
+
+from .. import Memory
+from ..errors import EngramError, InvalidInput, NotFound, ProviderError
+from .base import EXIT_OK, AgentOpt, DbOpt, config, guard, state
 
 if TYPE_CHECKING:
-    from .context import Context
-    from .memory import Memory
-    from .working.session import SessionHandle
+    from ..context import Context
+    from ..working.session import SessionHandle
 
 NO_ENDPOINT = """engram chat needs an OpenAI-compatible chat endpoint, and none is configured.
 
@@ -32,6 +35,8 @@ ENGRAM_LLM_MODEL), then run `engram chat` again. For example:
   # OpenAI
   export ENGRAM_LLM_BASE_URL=https://api.openai.com/v1 ENGRAM_LLM_API_KEY=sk-... ENGRAM_LLM_MODEL=gpt-4o-mini
 """
+
+MAX_SCOPES = 1000  # sessions with one id under other agents of the user, looked through
 
 INSTRUCTIONS = ("You are a helpful assistant with a long-term memory of the user. Use the recalled "
                 "memories when they are relevant, say so when you do not know, and keep answers short.")
@@ -81,7 +86,9 @@ class Chat:
         """Resume a stored session with its own policy; a new one gets the chat's policy."""
         s = self.settings
         handle = self.memory.session(session_id=session_id, user_id=s.user_id, agent_id=s.agent_id)
-        if self.memory.store.session(handle.scope) is not None:
+        stored = self.memory.sessions(user_id=s.user_id, agent_id=s.agent_id, session_id=handle.id,
+                                      limit=MAX_SCOPES)
+        if any(row.scope == handle.scope for row in stored):  # this very scope (agent None: none)
             return handle
         return self.memory.session(session_id=handle.id, user_id=s.user_id, agent_id=s.agent_id,
                                    policy=s.policy)
@@ -190,7 +197,7 @@ class Chat:
             found = hits[0].memory if hits else None
         if found is None:
             raise NotFound(f"no memory matches {target!r}")
-        self.memory.delete(found.id)
+        self.memory.delete(found.id, user_id=st.user_id, agent_id=st.agent_id)
         self.say(f"forgotten: {' '.join(found.text.split())[:200]}")
 
     def session_command(self, arg: str) -> None:
@@ -227,3 +234,50 @@ class Chat:
             return
         if summary is not None:
             self.say(f"session {s.id} saved ({summary.metadata.get('messages')} messages)")
+
+
+def chat(ctx: typer.Context,
+         user: Annotated[str | None, typer.Option(
+             "--user", "-u", metavar="ID", help="Who you are (default: your login name).")] = None,
+         agent: AgentOpt = None,
+         session: Annotated[str | None, typer.Option(
+             "--session", "-s", metavar="ID", help="Resume this session (default: a new one).")]
+         = None,
+         policy: Annotated[str, typer.Option(
+             "--policy", help="What the model sees of a new session: all, window, tokens, turns, "
+                              "summary, incremental, progressive.")] = "incremental",
+         budget: Annotated[int, typer.Option(
+             "--budget", help="Context budget per answer, in tokens.")] = 2000,
+         max_tokens: Annotated[int, typer.Option(
+             "--max-tokens", help="Longest answer, in tokens.")] = 512,
+         end: Annotated[bool, typer.Option(
+             "--end/--no-end", help="On leaving, write the session summary and extract facts.")]
+         = True,
+         db: DbOpt = None) -> None:
+    """Chat with an OpenAI-compatible model that remembers you across runs."""
+    import getpass
+    from contextlib import suppress
+
+    from ..providers.llms import get_llm
+    from ..working.policies import as_policy
+
+    st = state(ctx, db, False)
+    with guard():
+        cfg = config(st)
+        llm = get_llm(cfg)
+    if llm is None:
+        typer.echo(NO_ENDPOINT)
+        raise typer.Exit(EXIT_OK)
+    with suppress(ImportError):  # line editing and history at the prompt, where there is readline
+        import readline  # noqa: F401
+    with guard():
+        as_policy(policy)  # a bad name fails before the model loads
+        mem = Memory(config=cfg, llm=llm)
+        try:
+            settings = ChatSettings(user_id=user or getpass.getuser() or "me", agent_id=agent,
+                                    session_id=session, policy=policy, budget_tokens=budget,
+                                    max_tokens=max_tokens, end=end)
+            code = Chat(mem, settings).run()
+        finally:
+            mem.close()
+    raise typer.Exit(code)

@@ -1,8 +1,8 @@
-"""The MCP face of engram: memory tools plus the reference memory server's knowledge-graph tools,
-served over stdio or streamable HTTP with the official `mcp` SDK (v2: `MCPServer`, once FastMCP).
+"""The MCP server of engram: its memory tools and the reference memory server's knowledge-graph
+tools, served over stdio or streamable HTTP with the official `mcp` SDK (v2: `MCPServer`).
 
-Every tool is a thin translation to `Memory` (the graph tools to `engram.graph`); engram's typed
-errors become MCP tool errors (`is_error` results with the message), never crashes.
+Every tool is a thin translation to `Memory` (the graph tools to `engram.mcp.graph`); engram's
+typed errors become MCP tool errors (`is_error` results with the message), never crashes.
 """
 
 from __future__ import annotations
@@ -11,22 +11,37 @@ import contextlib
 import contextvars
 import sys
 from collections.abc import Callable, Iterator
-from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
+# `mcp` here is the SDK: imports are absolute, so this package (engram.mcp) never shadows it.
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import ToolAnnotations
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
+from pydantic import Field
 
-from . import graph
-from .errors import EngramError, InvalidInput, NotFound
-from .model import Hit, MemoryRecord, Scope
-
-if TYPE_CHECKING:
-    from .config import Config
-    from .memory import Memory
+from .. import Memory, __version__
+from ..config import Config
+from ..errors import EngramError, InvalidInput
+from ..model import Scope
+from . import graph, wire
+from .wire import (
+    AddedObservations,
+    AddObservationsResult,
+    ContextResult,
+    CreateEntitiesResult,
+    CreateRelationsResult,
+    DeleteResult,
+    EntityModel,
+    ForgetResult,
+    GraphResult,
+    Kind,
+    ListResult,
+    ObservationAddition,
+    ObservationDeletion,
+    RecallResult,
+    RelationModel,
+    RememberResult,
+)
 
 T = TypeVar("T")
 
@@ -49,108 +64,6 @@ def current_request() -> Any:
     return _REQUEST.get()
 
 
-# -- wire shapes: the knowledge graph, exactly as the reference memory server names them ----------
-
-class _Camel(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, serialize_by_alias=True)
-
-
-class EntityModel(_Camel):
-    name: str = Field(description="The name of the entity")
-    entity_type: str = Field(description="The type of the entity")
-    observations: list[str] = Field(description="Observation contents associated with the entity")
-
-
-class RelationModel(_Camel):
-    source: str = Field(alias="from", description="The name of the entity where the relation starts")
-    to: str = Field(description="The name of the entity where the relation ends")
-    relation_type: str = Field(description="The type of the relation, in active voice (works_at)")
-
-
-class ObservationAddition(_Camel):
-    entity_name: str = Field(description="The name of the entity to add the observations to")
-    contents: list[str] = Field(description="Observation contents to add")
-
-
-class ObservationDeletion(_Camel):
-    entity_name: str = Field(description="The name of the entity holding the observations")
-    observations: list[str] = Field(description="Observations to delete")
-
-
-class CreateEntitiesResult(_Camel):
-    entities: list[EntityModel]
-    skipped: list[str]
-
-
-class CreateRelationsResult(_Camel):
-    relations: list[RelationModel]
-
-
-class AddedObservations(_Camel):
-    entity_name: str
-    added_observations: list[str]
-
-
-class AddObservationsResult(_Camel):
-    results: list[AddedObservations]
-
-
-class DeleteResult(_Camel):
-    success: bool
-    message: str
-
-
-class GraphResult(_Camel):
-    entities: list[EntityModel]
-    relations: list[RelationModel]
-
-
-# -- wire shapes: engram's own tools --------------------------------------------------------------
-
-class MemoryOut(BaseModel):
-    id: str
-    kind: str
-    text: str
-    created_at: str = Field(description="when engram learned it (ISO-8601)")
-    observed_at: str | None = Field(description="when it happened in the world, if known")
-    importance: float
-    metadata: dict[str, Any]
-    session_id: str | None
-
-
-class HitOut(MemoryOut):
-    score: float
-    explain: dict[str, float] = Field(description="each ranking stage's contribution to the score")
-
-
-class RememberResult(BaseModel):
-    memories: list[MemoryOut]
-    events: list[str] = Field(description="what the write did: ADD, MERGE (near-duplicate), ...")
-
-
-class RecallResult(BaseModel):
-    hits: list[HitOut]
-
-
-class ForgetResult(BaseModel):
-    deleted: str
-    message: str
-
-
-class ListResult(BaseModel):
-    memories: list[MemoryOut]
-    next_cursor: str | None = Field(description="pass back as `cursor` for the next page; null at the end")
-
-
-class ContextResult(BaseModel):
-    text: str = Field(description="the context as one text")
-    messages: list[dict[str, Any]] = Field(description="the same as chat messages")
-    total_tokens: int
-    usage: dict[str, int] = Field(description="tokens used per block")
-    memory_ids: list[str] = Field(description="the memories it holds")
-
-
-Kind = Literal["semantic", "episodic", "procedural"]
 READ = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
                        open_world_hint=False)
 WRITE = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
@@ -165,8 +78,6 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
     `resolve` is called once per tool call (in a worker thread), so a multi-tenant host can
     return the tenant's Memory; `current_request()` gives it the HTTP request being served.
     """
-    from . import __version__
-
     if not isinstance(user_id, str) or not user_id.strip():
         raise InvalidInput("user_id must be a non-empty string")
     owner = Scope(user_id=user_id)
@@ -201,7 +112,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
         def run(mem: Memory) -> RememberResult:
             result = mem.add(text, user_id=owner.user_id, session_id=session_id, kind=kind,
                              metadata=metadata, importance=importance)
-            return RememberResult(memories=[_memory(m) for m in result.memories],
+            return RememberResult(memories=[wire.memory_out(m) for m in result.memories],
                                   events=[f"{e.type.value} {e.memory_id}" for e in result.events])
         return call(ctx, run)
 
@@ -220,7 +131,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
         def run(mem: Memory) -> RecallResult:
             hits = mem.search(query, user_id=owner.user_id, session_id=session_id, limit=limit,
                               kinds=kinds, filters=filters)
-            return RecallResult(hits=[_hit(h) for h in hits])
+            return RecallResult(hits=[wire.hit_out(h) for h in hits])
         return call(ctx, run)
 
     @server.tool(annotations=DELETE)
@@ -228,8 +139,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
                ctx: Context) -> ForgetResult:
         """Delete a memory. It disappears from every read; its history keeps what it was."""
         def run(mem: Memory) -> ForgetResult:
-            _owned(mem.get(id), owner)
-            mem.delete(id)
+            mem.delete(id, user_id=owner.user_id)  # another user's memory is NotFound
             return ForgetResult(deleted=id, message=f"memory {id} deleted")
         return call(ctx, run)
 
@@ -246,7 +156,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
         def run(mem: Memory) -> ListResult:
             page = mem.list(user_id=owner.user_id, session_id=session_id, kinds=kinds,
                             filters=filters, cursor=cursor, limit=limit)
-            return ListResult(memories=[_memory(m) for m in page.items], next_cursor=page.next_cursor)
+            return ListResult(memories=[wire.memory_out(m) for m in page.items], next_cursor=page.next_cursor)
         return call(ctx, run)
 
     @server.tool(annotations=READ)
@@ -275,15 +185,15 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
         def run(mem: Memory) -> CreateEntitiesResult:
             created, skipped = graph.create_entities(
                 mem, [graph.Entity(e.name, e.entity_type, tuple(e.observations)) for e in entities], owner)
-            return CreateEntitiesResult(entities=[_entity(e) for e in created], skipped=skipped)
+            return CreateEntitiesResult(entities=[wire.entity_out(e) for e in created], skipped=skipped)
         return call(ctx, run)
 
     @server.tool(annotations=WRITE)
     def create_relations(relations: list[RelationModel], ctx: Context) -> CreateRelationsResult:
         """Create relations between existing entities. Relations should be in active voice."""
         def run(mem: Memory) -> CreateRelationsResult:
-            new = graph.create_relations(mem, [_relation_in(r) for r in relations], owner)
-            return CreateRelationsResult(relations=[_relation(r) for r in new])
+            new = graph.create_relations(mem, [wire.relation_in(r) for r in relations], owner)
+            return CreateRelationsResult(relations=[wire.relation_out(r) for r in new])
         return call(ctx, run)
 
     @server.tool(annotations=WRITE)
@@ -326,8 +236,8 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
     def delete_relations(relations: list[RelationModel], ctx: Context) -> DeleteResult:
         """Delete relations (soft: kept in the history)."""
         def run(mem: Memory) -> DeleteResult:
-            count = graph.delete_relations(mem, [_relation_in(r) for r in relations], owner)
-            asked = len(set(map(_relation_in, relations)))
+            count = graph.delete_relations(mem, [wire.relation_in(r) for r in relations], owner)
+            asked = len(set(map(wire.relation_in, relations)))
             message = "Relations deleted successfully" if count >= asked else (
                 f"Deleted {count} of {asked} relations. The rest matched nothing.")
             return DeleteResult(success=True, message=message)
@@ -336,7 +246,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
     @server.tool(annotations=READ)
     def read_graph(ctx: Context) -> GraphResult:
         """Read the whole knowledge graph."""
-        return call(ctx, lambda mem: _graph(graph.read_graph(mem, owner)))
+        return call(ctx, lambda mem: wire.graph_out(graph.read_graph(mem, owner)))
 
     @server.tool(annotations=READ)
     def search_nodes(
@@ -346,13 +256,13 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
     ) -> GraphResult:
         """Search the knowledge graph (engram's hybrid search); returns the matching entities, best
         first, and the relations touching them."""
-        return call(ctx, lambda mem: _graph(graph.search_nodes(mem, query, owner)))
+        return call(ctx, lambda mem: wire.graph_out(graph.search_nodes(mem, query, owner)))
 
     @server.tool(annotations=READ)
     def open_nodes(names: Annotated[list[str], Field(description="Names of the entities to read")],
                    ctx: Context) -> GraphResult:
         """Read entities by name, with the relations touching them; unknown names are skipped."""
-        return call(ctx, lambda mem: _graph(graph.open_nodes(mem, names, owner)))
+        return call(ctx, lambda mem: wire.graph_out(graph.open_nodes(mem, names, owner)))
 
     return server
 
@@ -360,9 +270,6 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
 def serve(*, transport: str = "stdio", host: str = "127.0.0.1", port: int = 8000,
           user_id: str = "default", config: Config | None = None) -> None:
     """Run the MCP server on one Memory until the client disconnects (stdio) or it is stopped."""
-    from .config import Config
-    from .memory import Memory
-
     if transport not in TRANSPORTS:
         raise InvalidInput(f"transport must be one of {', '.join(TRANSPORTS)}, not {transport!r}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -391,48 +298,9 @@ def _stdout_to_stderr() -> Iterator[None]:
         yield
 
 
-# -- translation ----------------------------------------------------------------------------------
-
 def _request_of(ctx: Context) -> Any:
     try:
         return ctx.request_context.request
     except ValueError:  # no request context: called outside a request (in-process use)
         return None
 
-
-def _owned(rec: MemoryRecord, owner: Scope) -> None:
-    # Ids are global; a memory of another user of the same Memory is as good as absent.
-    if rec.scope.user_id != owner.user_id:
-        raise NotFound(f"no memory with id {rec.id!r}")
-
-
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value else None
-
-
-def _memory(rec: MemoryRecord) -> MemoryOut:
-    return MemoryOut(id=rec.id, kind=rec.kind.value, text=rec.text, created_at=rec.created_at.isoformat(),
-                     observed_at=_iso(rec.observed_at), importance=rec.importance,
-                     metadata=rec.metadata, session_id=rec.scope.session_id)
-
-
-def _hit(hit: Hit) -> HitOut:
-    return HitOut(**_memory(hit.memory).model_dump(), score=round(hit.score, 4),
-                  explain={k: round(v, 4) for k, v in hit.explain.items()})
-
-
-def _entity(e: graph.Entity) -> EntityModel:
-    return EntityModel(name=e.name, entity_type=e.entity_type, observations=list(e.observations))
-
-
-def _relation(r: graph.Relation) -> RelationModel:
-    return RelationModel.model_validate({"from": r.source, "to": r.target, "relationType": r.relation_type})
-
-
-def _relation_in(r: RelationModel) -> graph.Relation:
-    return graph.Relation(r.source, r.to, r.relation_type)
-
-
-def _graph(g: graph.Graph) -> GraphResult:
-    return GraphResult(entities=[_entity(e) for e in g.entities],
-                       relations=[_relation(r) for r in g.relations])

@@ -1,0 +1,148 @@
+"""The serving commands of `engram`: `serve` (the REST service), `keys` (its API keys) and `mcp`
+(the MCP server over stdio or streamable HTTP). Servers are imported only when one is started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from ..errors import InvalidInput
+from . import output
+from .base import DbOpt, JsonOpt, State, config, guard, print_json, state
+
+if TYPE_CHECKING:
+    from ..server.keys import KeyStore
+
+keys_app = typer.Typer(help="Manage the REST service's API keys (stored hashed, shown once).",
+                       no_args_is_help=True)
+
+
+@contextmanager
+def _key_store(st: State) -> Iterator[KeyStore]:
+    from ..server.keys import open_key_store
+
+    with guard():
+        keys = open_key_store(config(st))
+        try:
+            yield keys
+        finally:
+            keys.close()
+
+
+@keys_app.command("create")
+def keys_create(ctx: typer.Context,
+                tenant: Annotated[str, typer.Option("--tenant", "-t", help="The tenant the key acts for.")],
+                role: Annotated[str, typer.Option(
+                    "--role", "-r", help="member (read and write) or admin (also erase, export, import).")]
+                = "member",
+                name: Annotated[str, typer.Option("--name", help="A label, e.g. who holds it.")] = "",
+                db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Create an API key; the key is printed once and only its hash is stored."""
+    st = state(ctx, db, as_json)
+    with _key_store(st) as keys, guard():
+        key, secret = keys.create(tenant, role, name)
+    if st.json:
+        print_json({**key.to_dict(), "key": secret})
+        return
+    typer.echo(secret)
+    typer.echo(f"created {key.role.value} key {key.id} for tenant {key.tenant!r}; store it now, "
+               "it is not shown again", err=True)
+
+
+@keys_app.command("list")
+def keys_list(ctx: typer.Context,
+              tenant: Annotated[str | None, typer.Option("--tenant", "-t", help="Only this tenant.")]
+              = None,
+              db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """API keys (ids, tenants, roles; never the keys themselves)."""
+    st = state(ctx, db, as_json)
+    with _key_store(st) as keys, guard():
+        found = keys.list(tenant)
+    if st.json:
+        print_json([k.to_dict() for k in found])
+        return
+    if not found:
+        typer.echo("no API keys", err=True)
+        return
+    from rich.table import Table
+
+    table = Table()
+    for col in ("id", "tenant", "role", "name", "created", "revoked"):
+        table.add_column(col)
+    for k in found:
+        table.add_row(k.id, output.text(k.tenant), k.role.value, output.text(k.name),
+                      output.date(k.created_at), output.date(k.revoked_at) if k.revoked_at else "")
+    output.console().print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(ctx: typer.Context, id: Annotated[str, typer.Argument(help="A key id (from keys list).")],
+                db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Revoke an API key: requests with it answer 401 from now on."""
+    st = state(ctx, db, as_json)
+    with _key_store(st) as keys, guard():
+        key = keys.revoke(id)
+    if st.json:
+        print_json(key.to_dict())
+    else:
+        typer.echo(f"revoked key {key.id} of tenant {key.tenant!r}")
+
+
+def serve(ctx: typer.Context,
+          host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = "127.0.0.1",
+          port: Annotated[int, typer.Option("--port", "-p", help="TCP port.")] = 8000,
+          no_auth: Annotated[bool, typer.Option(
+              "--no-auth", help="No API keys: anyone who reaches the port is the admin of the "
+                                "single-user database. For local use only.")] = False,
+          rate: Annotated[float, typer.Option("--rate", help="Requests per second per tenant.")] = 50.0,
+          burst: Annotated[int, typer.Option("--burst", help="Requests a tenant may make at once.")] = 100,
+          max_body: Annotated[int, typer.Option("--max-body", help="Largest request body, bytes.")]
+          = 1_048_576,
+          db: DbOpt = None) -> None:
+    """Run the REST service (OpenAPI at /openapi.json, docs at /docs)."""
+    st = state(ctx, db, False)
+    with guard():
+        import uvicorn
+
+        from ..server import ServiceLimits, create_app
+
+        cfg = config(st)
+        try:
+            limits = ServiceLimits(max_body_bytes=max_body, rate=rate, burst=burst)
+        except ValueError as exc:
+            raise InvalidInput(str(exc)) from None
+        if no_auth:
+            warn = output.console(stderr=True)
+            warn.print("[bold red]" + "!" * 78)
+            warn.print("[bold red]!! engram serve --no-auth: NO AUTHENTICATION. Anyone who can reach "
+                       f"{host}:{port} can read,\n!! change and erase every memory in "
+                       f"{cfg.database_url and 'the PostgreSQL database' or cfg.path}.")
+            if host not in ("127.0.0.1", "localhost", "::1"):
+                warn.print(f"[bold red]!! and {host} is not a loopback address.")
+            warn.print("[bold red]" + "!" * 78)
+        shown = f"[{host}]" if ":" in host else host
+        typer.echo(f"engram serving on http://{shown}:{port}  (API docs: http://{shown}:{port}/docs)",
+                   err=True)
+        application = create_app(cfg, auth=not no_auth, limits=limits)
+    uvicorn.run(application, host=host, port=port, log_level="info", access_log=False)
+
+
+def mcp(ctx: typer.Context,
+        transport: Annotated[str, typer.Option(
+            "--transport", "-t", metavar="stdio|http",
+            help="stdio (for a local MCP client) or http (streamable HTTP at /mcp).")] = "stdio",
+        host: Annotated[str, typer.Option("--host", help="HTTP: address to listen on.")] = "127.0.0.1",
+        port: Annotated[int, typer.Option("--port", help="HTTP: port (0 picks a free one).")] = 8000,
+        user_id: Annotated[str, typer.Option(
+            "--user-id", metavar="ID", help="Scope of every tool call: user id.")] = "default",
+        db: DbOpt = None) -> None:
+    """Serve engram's memory and knowledge-graph tools over MCP (stdio or streamable HTTP)."""
+    st = state(ctx, db, False)
+    with guard():
+        from ..mcp import serve as serve_mcp
+
+        serve_mcp(transport=transport, host=host, port=port, user_id=user_id, config=config(st))

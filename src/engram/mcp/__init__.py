@@ -1,0 +1,12 @@
+"""The MCP face of engram: memory tools and the reference memory server's knowledge-graph tools
+over the official `mcp` SDK, standalone (`engram mcp`) or mounted in a multi-tenant ASGI host.
+
+    server   the tools, `build_server(resolve)` and `serve(...)`
+    wire     what the tools send and receive, and the translation from engram's types
+    graph    the knowledge graph, kept as ordinary memories through the `Memory` API
+    mount    stateless streamable HTTP for a host that picks the Memory per request
+"""
+
+from .server import TRANSPORTS, build_server, current_request, serve
+
+__all__ = ["TRANSPORTS", "build_server", "current_request", "serve"]
