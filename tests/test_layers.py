@@ -2,9 +2,11 @@
 (CLI, REST service, MCP server, integrations) that use only the public API.
 
 Layers (ARCHITECTURE.md): imports point down. A face may import the package root (names in
-`engram.__all__`), `engram.errors`, `engram.config`, `engram.model` and `engram.working`
-(policies); the service may also open tenants' stores through the store's package roots
-(`engram.store`, `engram.store.sqlite`, `engram.store.postgres`).
+`engram.__all__`), `engram.errors`, `engram.config`, `engram.model`, `engram.working`
+(policies) and the provider registries (`engram.providers.embedders` / `.llms`: the documented
+extension point where embedders and LLMs are registered and built by name). The service may
+also open tenants' stores through the store's package roots (`engram.store`,
+`engram.store.sqlite`, `engram.store.postgres`).
 Faces use each other only downward: the CLI starts the service and the MCP server, the service
 mounts the MCP server.
 """
@@ -22,7 +24,7 @@ import engram
 SRC = Path(engram.__file__).resolve().parent
 
 PUBLIC = {"engram.errors", "engram.config", "engram.model", "engram.working",
-          "engram.working.policies"}
+          "engram.working.policies", "engram.providers.embedders", "engram.providers.llms"}
 FACES: dict[str, set[str]] = {  # face -> what it may import besides PUBLIC and itself
     "engram.cli": {"engram.server", "engram.mcp"},
     "engram.server": {"engram.mcp", "engram.store"},

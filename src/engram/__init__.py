@@ -8,8 +8,9 @@
 
 import logging as _logging
 
-from .aio import AsyncMemory
+from .aio import AsyncMemory, AsyncSessionHandle
 from .config import Config
+from .context import Context
 from .errors import (
     Conflict,
     EngramError,
@@ -44,6 +45,7 @@ from .model import (
 )
 from .pipeline.retrieve import PRESETS, RetrievalConfig
 from .store import Stats
+from .working.session import SessionHandle
 
 _logging.getLogger("engram").addHandler(_logging.NullHandler())
 
@@ -53,8 +55,10 @@ __all__ = [
     "PRESETS",
     "AddResult",
     "AsyncMemory",
+    "AsyncSessionHandle",
     "Config",
     "Conflict",
+    "Context",
     "EngramError",
     "Event",
     "EventType",
@@ -79,6 +83,7 @@ __all__ = [
     "RetrievalConfig",
     "Scope",
     "Session",
+    "SessionHandle",
     "Stats",
     "StoreBusy",
     "StoreError",

@@ -20,8 +20,7 @@ from ..errors import EngramError, InvalidInput, NotFound, ProviderError
 from .base import EXIT_OK, AgentOpt, DbOpt, config, guard, state
 
 if TYPE_CHECKING:
-    from ..context import Context
-    from ..working.session import SessionHandle
+    from .. import Context, SessionHandle
 
 NO_ENDPOINT = """engram chat needs an OpenAI-compatible chat endpoint, and none is configured.
 
