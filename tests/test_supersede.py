@@ -240,35 +240,6 @@ class _Hooked:
         return out
 
 
-def test_two_writers_superseding_the_same_fact_one_wins_one_conflicts(tmp_path: Path,
-                                                                      embedder: MiniLM) -> None:
-    mem = Memory(tmp_path / "m.db", embedder=embedder)
-    try:
-        old = mem.add("Tom lives in Manchester", user_id="tom", kind="semantic").memories[0]
-        results: list[object] = []
-        go = threading.Barrier(2)
-
-        def write(city: str) -> None:
-            go.wait()
-            try:
-                results.append(mem.add(f"Tom lives in {city}", user_id="tom", kind="semantic",
-                                       supersedes=old.id))
-            except Conflict as exc:
-                results.append(exc)
-
-        threads = [threading.Thread(target=write, args=(c,)) for c in ("Leeds", "York")]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert sorted(type(r).__name__ for r in results) == ["AddResult", "Conflict"]
-        current = [m.text for m in mem.list(user_id="tom", kinds=["semantic"]).items]
-        assert len(current) == 1 and current[0] in ("Tom lives in Leeds", "Tom lives in York")
-        assert [e.type for e in mem.history(old.id)] == [EventType.ADD, EventType.SUPERSEDE]
-    finally:
-        mem.close()
-
-
 # -- background jobs, idempotency, async --------------------------------------------------------
 
 def test_supersedes_travels_in_the_job_and_the_fingerprint(tmp_path: Path, embedder: MiniLM) -> None:
@@ -413,3 +384,41 @@ def test_update_valid_from_is_checked(mem: Memory) -> None:
     with pytest.raises(InvalidInput, match="valid_from"):
         mem.update(old.id, valid_from="yesterday")  # type: ignore[arg-type]
     assert mem.update(old.id, valid_from=at("2024-01-01")).valid_from == at("2024-01-01")
+
+
+# -- every store -------------------------------------------------------------------------------
+
+def test_supersedes_on_every_store(store_factory: Callable[[Path], Any], tmp_path: Path,
+                                   embedder: MiniLM) -> None:
+    """The check and the close happen in one store transaction, on SQLite and PostgreSQL."""
+    mem = Memory(config=Config(path=tmp_path / "unused.db", worker="off"),
+                 store=store_factory(tmp_path), embedder=embedder)
+    try:
+        old = mem.add("Tom lives in Manchester", user_id="tom", kind="semantic",
+                      observed_at=at("2024-03-03")).memories[0]
+        results: list[object] = []
+        go = threading.Barrier(2)
+
+        def write(city: str) -> None:
+            go.wait()
+            try:
+                results.append(mem.add(f"Tom lives in {city}", user_id="tom", kind="semantic",
+                                       observed_at=at("2024-09-01"), supersedes=old.id))
+            except Conflict as exc:
+                results.append(exc)
+
+        threads = [threading.Thread(target=write, args=(c,)) for c in ("Leeds", "York")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(type(r).__name__ for r in results) == ["AddResult", "Conflict"]
+        current = facts(mem, "Where does Tom live?")
+        assert len(current) == 1 and current[0] in ("Tom lives in Leeds", "Tom lives in York")
+        assert facts(mem, "Where does Tom live?", as_of=at("2024-06-01")) == ["Tom lives in Manchester"]
+        closed = mem.get(old.id)
+        assert closed.valid_to == at("2024-09-01") and closed.superseded_by is not None
+        with pytest.raises(NotFound):
+            mem.add("Bob lives in Hull", user_id="bob", kind="semantic", supersedes=closed.id)
+    finally:
+        mem.close()
