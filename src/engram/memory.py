@@ -120,8 +120,8 @@ class Memory:
         LLM fails, only the episodes are stored and `AddResult.notes` says why. Facts given
         directly are deduplicated (exact duplicates add nothing, near-duplicates merge) and,
         with an LLM and `infer=True`, checked against the current facts the same way as
-        extracted ones; with no LLM or `infer=False` no contradiction check runs, and `notes`
-        says so.
+        extracted ones (unless `supersedes` says what they replace); with no LLM or
+        `infer=False` no contradiction check runs, and `notes` says so.
 
         `supersedes` (an id or a list of ids) says "this replaces that" without an LLM: the
         one message given is stored as a new memory (never merged into another), and each
