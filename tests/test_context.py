@@ -237,3 +237,29 @@ def test_session_messages_cut_from_the_conversation_can_return_as_episodes(mem: 
     assert conv and not conv & episodes  # never shown twice
     assert "4471" in system_of(ctx.messages)  # cut from the conversation, found as an episode
     assert ctx.total_tokens <= 600
+
+
+def test_the_current_session_is_not_an_earlier_session(mem: Memory) -> None:
+    """A session that ended and goes on (or is looked at again) is the conversation: its own
+    end-of-session summary is not one of the "Earlier sessions", and nothing shows twice."""
+    old = mem.session(user_id="ana", session_id="s2")
+    old.add([{"role": "user", "content": "I booked flights to Tokyo for 3 March."},
+             {"role": "assistant", "content": "Exciting! Enjoy Tokyo."}])
+    earlier = old.end()
+    s3 = mem.session(user_id="ana", session_id="s3")
+    s3.add([{"role": "user", "content": "My landlord raised the rent to 900 euros a month."},
+            {"role": "assistant", "content": "That is a big rise. Will you stay?"},
+            {"role": "user", "content": "I will look for a flat in Benfica instead."}])
+    own = s3.end()
+    assert earlier is not None and own is not None
+    ctx = mem.context("Where will I look for a flat?", user_id="ana", session_id="s3",
+                      budget_tokens=300)
+    assert ctx.total_tokens <= 300
+    assert len(ctx.blocks["conversation"].ids) == 3  # s3 verbatim...
+    assert own.id not in ctx.ids()  # ... and not again as its own summary
+    assert earlier.id in ctx.blocks["summaries"].ids  # a session that is really earlier
+    system = system_of(ctx.messages)
+    assert "session s3]" not in system and "session s2]" in system
+    assert system.count("Benfica") == 0  # said in the conversation, never repeated as data
+    ids = ctx.ids()
+    assert len(ids) == len(set(ids))

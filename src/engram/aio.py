@@ -57,13 +57,14 @@ class AsyncMemory:
                   session_id: str | None = None, metadata: Mapping[str, Any] | None = None,
                   observed_at: datetime | None = None, infer: bool = True,
                   kind: str | Kind | None = None, importance: float | None = None,
-                  expires_at: datetime | None = None, background: bool = False,
+                  expires_at: datetime | None = None,
+                  supersedes: str | Sequence[str] | None = None, background: bool = False,
                   idempotency_key: str | None = None) -> AddResult:
         return await _in_thread(
             self.sync.add, messages, user_id=user_id, agent_id=agent_id, session_id=session_id,
             metadata=metadata, observed_at=observed_at, infer=infer, kind=kind,
-            importance=importance, expires_at=expires_at, background=background,
-            idempotency_key=idempotency_key)
+            importance=importance, expires_at=expires_at, supersedes=supersedes,
+            background=background, idempotency_key=idempotency_key)
 
     async def extract(self, *, user_id: str | None = None, agent_id: str | None = None,
                       session_id: str | None = None) -> AddResult:
@@ -78,11 +79,13 @@ class AsyncMemory:
     async def update(self, id: str, *, text: str | Unset = UNSET,
                      metadata: Mapping[str, Any] | None | Unset = UNSET,
                      importance: float | Unset = UNSET, expires_at: datetime | None | Unset = UNSET,
+                     valid_from: datetime | Unset = UNSET,
                      user_id: str | None = None, agent_id: str | None = None,
                      session_id: str | None = None) -> MemoryRecord:
         return await _in_thread(self.sync.update, id, text=text, metadata=metadata,
-                                importance=importance, expires_at=expires_at, user_id=user_id,
-                                agent_id=agent_id, session_id=session_id)
+                                importance=importance, expires_at=expires_at,
+                                valid_from=valid_from, user_id=user_id, agent_id=agent_id,
+                                session_id=session_id)
 
     async def delete(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,
                      session_id: str | None = None) -> None:

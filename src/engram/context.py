@@ -191,8 +191,8 @@ def _search(engine: Engine, query: str, scope: Scope, kinds: list[Kind], limit: 
 
 
 def _gather(engine: Engine, blocks: Sequence[Block], query: str, user_id: str | None,
-            agent_id: str | None, view: View | None, avail: int, tokenizer: Tokenizer,
-            ) -> dict[str, _Candidates]:
+            agent_id: str | None, session_id: str | None, view: View | None, avail: int,
+            tokenizer: Tokenizer) -> dict[str, _Candidates]:
     wanted = {b.name: b for b in blocks}
     found: dict[str, list[MemoryRecord]] = {}
     # Messages of this session are left out only where the conversation block shows them
@@ -218,7 +218,12 @@ def _gather(engine: Engine, blocks: Sequence[Block], query: str, user_id: str | 
         recs = _scoped(_all(engine, Scope(user_id, agent_id), {"engram": "session_summary"}),
                        user_id, agent_id)
         recs.sort(key=lambda r: (r.observed_at or r.created_at), reverse=True)
-        found["summaries"] = [r for r in recs if r.id not in seen][:wanted["summaries"].limit]
+        # The current session is the conversation, not an earlier session: its own
+        # end-of-session summary (it ended and goes on, or is looked at again) would say twice
+        # what the conversation block shows.
+        current = Scope(user_id, agent_id, session_id) if session_id is not None else None
+        found["summaries"] = [r for r in recs if r.id not in seen
+                              and r.scope != current][:wanted["summaries"].limit]
     if "episodes" in wanted:
         limit = min(wanted["episodes"].limit, max(10, math.ceil(avail / EPISODE_TOKENS)))
         episodes = _search(engine, query, Scope(user_id, agent_id), [Kind.EPISODIC], limit)
@@ -403,7 +408,7 @@ def assemble(engine: Engine, query_or_messages: str | Sequence[Mapping[str, Any]
     view = None
     if session_id is not None and any(b.name == "conversation" for b in chosen):
         view = stored_view(engine.store, scope, tok)
-    cands = _gather(engine, chosen, query, user_id, agent_id, view, avail, tok)
+    cands = _gather(engine, chosen, query, user_id, agent_id, session_id, view, avail, tok)
     budgets = _allocate(cands, avail, tok)
 
     while True:

@@ -110,6 +110,7 @@ class Memory:
             session_id: str | None = None, metadata: Mapping[str, Any] | None = None,
             observed_at: datetime | None = None, infer: bool = True, kind: str | Kind | None = None,
             importance: float | None = None, expires_at: datetime | None = None,
+            supersedes: str | Sequence[str] | None = None,
             background: bool = False, idempotency_key: str | None = None) -> AddResult:
         """Store messages (episodes) or facts (`kind="semantic"` / `"procedural"`).
 
@@ -117,7 +118,25 @@ class Memory:
         facts are also extracted from them and consolidated against what is known (ADD, UPDATE,
         MERGE, NOOP, or SUPERSEDE: the old fact is closed, not deleted). With no LLM, or when the
         LLM fails, only the episodes are stored and `AddResult.notes` says why. Facts given
-        directly are deduplicated (exact duplicates add nothing, near-duplicates merge).
+        directly are deduplicated (exact duplicates add nothing, near-duplicates merge) and,
+        with an LLM and `infer=True`, checked against the current facts the same way as
+        extracted ones (unless `supersedes` says what they replace); with no LLM or
+        `infer=False` no contradiction check runs, and `notes` says so.
+
+        `supersedes` (an id or a list of ids) says "this replaces that" without an LLM: the
+        one message given is stored as a new memory (never merged into another), and each
+        named memory is closed as an LLM's SUPERSEDE closes a fact: `valid_to` = the new
+        memory's `valid_from`, `superseded_by` = its id, a SUPERSEDE event "superseded by
+        caller". `search` then finds the new one, `search(as_of=...)` the old one, `history`
+        the chain. All in one transaction with the add. Each named memory must be of the
+        same kind and owner (`user_id` and `agent_id`; the session may differ): `NotFound` if
+        it is unknown, deleted, expired or another scope's; `InvalidInput` for another kind,
+        or if the new memory would start (`observed_at`) before it. An episode is an event:
+        that it was said stays true, but a superseded turn ("the trip is in May", replaced by
+        "I changed my mind: October") is no longer what holds — it leaves current search and
+        context and stays in `as_of` reads, `history` and its session's transcript. A memory
+        already superseded is a `Conflict` naming its current version: replacing a successor
+        the caller has not seen would silently lose it (compare-and-swap, not last-writer-wins).
 
         `background=True` validates, queues a durable job and returns at once (`result.job`);
         `wait(job.id)` gives the outcome. The same `idempotency_key` never does the work twice:
@@ -128,9 +147,16 @@ class Memory:
         req = write.AddRequest.build(
             messages, valid.scope(user_id, agent_id, session_id), metadata=metadata,
             observed_at=observed_at, infer=infer, kind=kind, importance=importance,
-            expires_at=expires_at, max_text_chars=self.config.max_text_chars)
+            expires_at=expires_at, max_text_chars=self.config.max_text_chars,
+            supersedes=supersedes)
         valid.flag(background, "background")
         key = None if idempotency_key is None else valid.ident(idempotency_key, "idempotency_key")
+        if req.supersedes and background and (key is None or self.store.job_by_key(key) is None):
+            # A queued job would only fail later: say now that a target is missing (the job
+            # checks again, in its transaction). A keyed retry of a done job is not checked:
+            # it returns the first result.
+            now = utcnow()
+            write.superseded(self._engine, req, req.start(now), now)
         return self._queue.add(req, key, background)
 
     def extract(self, *, user_id: str | None = None, agent_id: str | None = None,
@@ -154,10 +180,19 @@ class Memory:
     def update(self, id: str, *, text: str | Unset = UNSET,
                metadata: Mapping[str, Any] | None | Unset = UNSET,
                importance: float | Unset = UNSET, expires_at: datetime | None | Unset = UNSET,
+               valid_from: datetime | Unset = UNSET,
                user_id: str | None = None, agent_id: str | None = None,
                session_id: str | None = None) -> MemoryRecord:
         """Change a memory of the scope in place (only what is given; `metadata=None` clears
-        the metadata, `expires_at=None` the expiry). The UPDATE event keeps before and after."""
+        the metadata, `expires_at=None` the expiry). The UPDATE event keeps before and after.
+
+        An update is a correction of what is stored, not a change in the world: new `text`
+        says what the memory should have said all along, so it keeps its `valid_from` (and
+        `search(as_of=...)` still finds it over the time it held). When the world changed
+        ("Tom moved to Leeds"), add the new fact with `supersedes=id` instead: the old one is
+        closed and kept as history, and the new one holds from its own time. `valid_from`
+        corrects the start itself (InvalidInput after the memory's `valid_to`).
+        """
         before = self.get(id, user_id=user_id, agent_id=agent_id, session_id=session_id)
         changes: dict[str, Any] = {}
         if not isinstance(text, Unset):
@@ -169,8 +204,17 @@ class Memory:
             changes["importance"] = valid.importance(importance)
         if not isinstance(expires_at, Unset):
             changes["expires_at"] = valid.moment(expires_at, "expires_at")
+        if not isinstance(valid_from, Unset):
+            start = valid.moment(valid_from, "valid_from")
+            if start is None:
+                raise InvalidInput("valid_from must be a datetime or ISO-8601 string")
+            if before.valid_to is not None and start > before.valid_to:
+                raise InvalidInput(f"valid_from {start.isoformat()} is after the memory's "
+                                   f"valid_to {before.valid_to.isoformat()}")
+            changes["valid_from"] = start
         if not changes:
-            raise InvalidInput("update needs at least one of text, metadata, importance, expires_at")
+            raise InvalidInput("update needs at least one of text, metadata, importance, "
+                               "expires_at, valid_from")
         return write.update(self._engine, before, changes)
 
     def delete(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,

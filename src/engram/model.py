@@ -129,7 +129,8 @@ class AddResult:
 
     memories: list[MemoryRecord]
     events: list[Event]
-    notes: tuple[str, ...] = ()     # why less was learned than asked (no LLM, LLM failed, ...)
+    notes: tuple[str, ...] = ()     # why less was learned or checked than asked (no LLM, LLM
+                                    # failed, no contradiction check for a given fact, ...)
     job: Job | None = None          # with background=True: the queued job; memories come later
 
 

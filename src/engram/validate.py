@@ -21,6 +21,19 @@ def ident(value: Any, what: str = "id") -> str:
     return utf8(value, what)
 
 
+def ids(value: Any, what: str) -> tuple[str, ...]:
+    """None (no ids), one id, or a list of ids: the ids in order, each once."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (ident(value, what),)
+    if not isinstance(value, Sequence) or isinstance(value, bytes | bytearray):
+        raise InvalidInput(f"{what} must be an id or a list of ids, not {type(value).__name__}")
+    if len(value) > MAX_LIMIT:
+        raise InvalidInput(f"{what} names {len(value)} ids; the limit is {MAX_LIMIT}")
+    return tuple(dict.fromkeys(ident(v, f"an id in {what}") for v in value))
+
+
 def utf8(value: str, what: str) -> str:
     """Refuse lone surrogates and NUL characters: valid Python strings that not every database
     can take (PostgreSQL refuses NUL in text), so no backend stores what another would refuse."""

@@ -93,9 +93,16 @@ def learn(engine: Engine, episodes: Sequence[MemoryRecord], scope: Scope, task: 
                                  **({"trust": why} if why != "ok" else {})}},
             importance=c.importance, created_at=now, updated_at=now, observed_at=c.valid_from,
             valid_from=c.valid_from, provenance=c.sources, content_hash=content_hash(c.text)))
-    keys = index(engine, facts)
+    return consider(engine, facts, index(engine, facts), now, notes)
+
+
+def consider(engine: Engine, facts: Sequence[MemoryRecord], keys: dict[str, Keys],
+             now: datetime, notes: list[str]) -> list[Learned]:
+    """How each fact (extracted, or given to `add` directly) joins what is known: the LLM's
+    plan against the current facts it may repeat, refine or contradict. Runs outside any
+    transaction (it calls the LLM); `learn.apply` writes the plans."""
     near = [related(engine, f, keys[f.id][0][0].vector, now) for f in facts]
-    chosen = plans(engine, facts, near, keys, notes)
+    chosen = plans(engine, list(facts), near, keys, notes)
     texts = {p.fact: p.text for p in chosen if p.text and p.action in ("UPDATE", "MERGE")}
     retext = index(engine, [replace(facts[i], text=t) for i, t in texts.items()])
     return [Learned(f, keys[f.id], p, retext.get(f.id),

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import validate as valid
-from ..errors import NotFound
+from ..errors import Conflict, InvalidInput, NotFound
 from ..model import (
     AddResult,
     Event,
@@ -40,6 +40,9 @@ from .text import content_hash
 
 log = logging.getLogger("engram.memory")
 
+NO_CHECK = "no contradiction check: {why}; pass supersedes=... to replace a fact"
+BY_CALLER = "superseded by caller"
+
 
 @dataclass(frozen=True)
 class AddRequest:
@@ -53,18 +56,29 @@ class AddRequest:
     importance: float
     expires_at: datetime | None
     infer: bool
+    supersedes: tuple[str, ...] = ()  # the ids the (one) new memory replaces
 
     @classmethod
     def build(cls, messages: Any, scope: Scope, *, metadata: Any, observed_at: Any, infer: Any,
-              kind: Any, importance: Any, expires_at: Any, max_text_chars: int) -> AddRequest:
+              kind: Any, importance: Any, expires_at: Any, max_text_chars: int,
+              supersedes: Any = None) -> AddRequest:
         """Caller input, validated whole before anything is written (InvalidInput)."""
         valid.flag(infer, "infer")
-        return cls(messages=tuple(valid.message(m, max_text_chars) for m in valid.as_list(messages)),
-                   scope=scope, kind=valid.kind(kind) or Kind.EPISODIC,
+        given = tuple(valid.message(m, max_text_chars) for m in valid.as_list(messages))
+        replaced = valid.ids(supersedes, "supersedes")
+        if replaced and len(given) != 1:
+            raise InvalidInput(f"supersedes names what one new memory replaces; {len(given)} "
+                               "messages were given")
+        return cls(messages=given, scope=scope, kind=valid.kind(kind) or Kind.EPISODIC,
                    metadata=valid.metadata(metadata),
                    observed_at=valid.moment(observed_at, "observed_at"),
                    importance=valid.importance(importance),
-                   expires_at=valid.moment(expires_at, "expires_at"), infer=infer)
+                   expires_at=valid.moment(expires_at, "expires_at"), infer=infer,
+                   supersedes=replaced)
+
+    def start(self, now: datetime) -> datetime:
+        """When the (first) new memory holds from: see `record`."""
+        return self.messages[0].observed_at or self.observed_at or now
 
     def payload(self) -> dict[str, Any]:
         def t(value: datetime | None) -> str | None:
@@ -76,6 +90,8 @@ class AddRequest:
             "scope": self.scope.as_dict(), "kind": self.kind.value, "metadata": self.metadata,
             "observed_at": t(self.observed_at), "importance": self.importance,
             "expires_at": t(self.expires_at), "infer": self.infer,
+            # only when given: a request without it keeps the fingerprint it always had
+            **({"supersedes": list(self.supersedes)} if self.supersedes else {}),
         }
 
     @classmethod
@@ -88,26 +104,43 @@ class AddRequest:
             scope=Scope(s["user_id"], s["agent_id"], s["session_id"]), kind=Kind(d["kind"]),
             metadata=d["metadata"], observed_at=valid.moment(d["observed_at"], "observed_at"),
             importance=d["importance"], expires_at=valid.moment(d["expires_at"], "expires_at"),
-            infer=d["infer"])
+            infer=d["infer"], supersedes=tuple(d.get("supersedes", ())))
 
 
 def summary(result: AddResult) -> dict[str, Any]:
-    """What a job row keeps of a result: ids and notes (the memories are in the store)."""
+    """What a job row keeps of a result: ids and notes (the memories are in the store).
+    `touched` names every memory an event is about: a SUPERSEDE event belongs to the closed
+    memory, which is not one of the result's memories."""
     return {"memories": [m.id for m in result.memories], "events": [e.id for e in result.events],
+            "touched": list(dict.fromkeys(e.memory_id for e in result.events if e.memory_id)),
             "notes": list(result.notes)}
 
 
 def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult:
     """Store the request's messages (episodes) or facts; with an LLM and `infer`, learn from
-    the episodes too. `job`, when given, is marked done with the result in the same
-    transaction: a retried request finds either nothing or the whole result."""
+    the episodes, and check given facts against the known ones. `req.supersedes` closes the
+    memories the new one replaces, in the same transaction. `job`, when given, is marked done
+    with the result in the same transaction: a retried request finds either nothing or the
+    whole result."""
     now = utcnow()
     records = [record(m, req, now) for m in req.messages]
     keys = index(engine, records)
     notes: list[str] = []
     learned: list[learn.Learned] = []
-    if req.infer and req.kind is Kind.EPISODIC:
-        learned = learn.learn(engine, records, req.scope, extraction.EXTRACT, now, notes)
+    checked: dict[str, learn.Learned] = {}
+    if req.kind is Kind.EPISODIC:
+        if req.infer:
+            learned = learn.learn(engine, records, req.scope, extraction.EXTRACT, now, notes)
+    elif not req.supersedes:  # the caller said what the fact replaces: nothing to check
+        if not req.infer:
+            notes.append(NO_CHECK.format(why="infer=False"))
+        elif engine.llm is None:
+            notes.append(NO_CHECK.format(why="no LLM configured"))
+        else:  # the same check as an extracted fact's (an exact repeat needs no model)
+            fresh = [r for r in records
+                     if engine.store.find_hash(r.scope, r.kind, r.content_hash, now) is None]
+            checked = {item.record.id: item
+                       for item in learn.consider(engine, fresh, keys, now, notes)}
     # A turn is also found by what was learned from it: each extracted fact becomes an
     # extra `fact` key of its source episodes.
     fact_keys: dict[str, list[Key]] = {}
@@ -119,20 +152,35 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
     with store.write() as tx:
         # Reads first (neighbours for consolidation), writes after.
         near = {r.id: neighbours(engine, r, keys[r.id][0][0].vector, now)
-                for r in records if r.kind is not Kind.EPISODIC}
+                for r in records if r.kind is not Kind.EPISODIC and not req.supersedes}
         stored: list[MemoryRecord] = []
         events: list[Event] = []
         batch: list[tuple[MemoryRecord, np.ndarray]] = []
+        # Checked here, in the transaction: a target deleted or superseded meanwhile by
+        # another writer fails the whole add (nothing half-written).
+        replaced = (superseded(engine, req, records[0].valid_from or now, now)
+                    if req.supersedes else [])
         for rec in records:
             vec = keys[rec.id][0][0].vector
             earlier = [(r, float(np.dot(vec, v))) for r, v in batch]
-            decision = consolidate.decide(rec, [*near.get(rec.id, []), *earlier],
-                                          threshold=cfg.dedupe_threshold,
-                                          min_overlap=cfg.dedupe_min_overlap)
+            if replaced:  # a replacement is a new memory, even if it repeats a known one
+                decision = consolidate.Decision("ADD", reason="supersedes "
+                                                + ", ".join(t.id for t in replaced))
+            else:
+                decision = consolidate.decide(rec, [*near.get(rec.id, []), *earlier],
+                                              threshold=cfg.dedupe_threshold,
+                                              min_overlap=cfg.dedupe_min_overlap)
             if decision.action == "NOOP":
                 assert decision.target is not None
                 stored.append(decision.target)
                 log.info("noop %s: %s", decision.target.id, decision.reason)
+                continue
+            if rec.id in checked:  # the LLM's plan (ADD, UPDATE, MERGE, NOOP or SUPERSEDE)
+                done, written = learn.apply(engine, tx, [checked[rec.id]], now)
+                stored += done
+                events += written
+                if any(r.id == rec.id for r in done):
+                    batch.append((rec, vec))
                 continue
             if decision.action == "MERGE":
                 assert decision.target is not None
@@ -152,6 +200,15 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
                 if rec.kind is Kind.EPISODIC and notes:
                     reason = f"{reason}; {'; '.join(notes)}"  # the history says why no facts
                 own, lexical = keys[rec.id]
+                for target in replaced:  # closed exactly as an LLM's SUPERSEDE closes a fact
+                    closed = replace(target, valid_to=rec.valid_from or now,
+                                     superseded_by=rec.id, updated_at=now)
+                    tx.update(closed)
+                    closing = event(EventType.SUPERSEDE, closed, now, before=target,
+                                    after=closed, reason=BY_CALLER)
+                    tx.append(closing)
+                    events.append(closing)
+                    log.info("superseded %s by %s (caller)", target.id, rec.id)
                 tx.insert(rec, [*own, *fact_keys.get(rec.id, [])], lexical)
                 ev = event(EventType.ADD, rec, now, after=rec, reason=reason)
                 batch.append((rec, vec))
@@ -168,6 +225,55 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
             tx.put_job(replace(job, status=JobStatus.DONE, result=summary(result), error=None,
                                updated_at=now, lease_until=None))
     return result
+
+
+def superseded(engine: Engine, req: AddRequest, start: datetime,
+               now: datetime) -> list[MemoryRecord]:
+    """The memories `req.supersedes` names, each checked: visible (NotFound if unknown,
+    deleted, expired or another owner's: same user_id and agent_id; the session may differ,
+    a correction often comes in a later conversation), of the request's kind (InvalidInput),
+    still current (Conflict, naming the current version: replacing a successor the caller
+    has not seen would lose it), and begun no later than the new memory starts at `start`
+    (InvalidInput: a replacement cannot start before what it replaces)."""
+    out = []
+    for mid in req.supersedes:
+        target = visible(engine.store, mid, now)
+        if target is None or (target.scope.user_id, target.scope.agent_id) != (
+                req.scope.user_id, req.scope.agent_id):
+            raise NotFound(f"no memory with id {mid!r} to supersede")
+        if target.kind is not req.kind:
+            raise InvalidInput(f"memory {mid!r} is {target.kind.value}; a {req.kind.value} "
+                               f"memory can only supersede {req.kind.value} ones")
+        if target.superseded_by is not None or target.valid_to is not None:
+            raise Conflict(f"memory {mid!r} is no longer current{successor(engine, target, now)}")
+        since = target.valid_from or target.created_at
+        if start < since:
+            raise InvalidInput(f"memory {mid!r} holds from {since.isoformat()}; the memory "
+                               f"replacing it cannot start before (it starts {start.isoformat()})")
+        out.append(target)
+    return out
+
+
+def successor(engine: Engine, rec: MemoryRecord, now: datetime) -> str:
+    """Where a closed memory's line of versions goes on: its successor and the current
+    version, for an error message."""
+    if rec.superseded_by is None:
+        return f" (it held until {rec.valid_to.isoformat() if rec.valid_to else '?'})"
+    first = rec.superseded_by
+    current = visible(engine.store, first, now)
+    for _ in range(learn.MAX_CHAIN):
+        if current is None or current.superseded_by is None:
+            break
+        nxt = visible(engine.store, current.superseded_by, now)
+        if nxt is None:
+            break
+        current = nxt
+    if current is None or current.valid_to is not None:
+        return f": superseded by {first!r}"
+    if current.id == first:
+        return f": superseded by {first!r}; to replace it, pass supersedes={first!r}"
+    return (f": superseded by {first!r}, whose current version is {current.id!r}; to replace "
+            f"it, pass supersedes={current.id!r}")
 
 
 def record(m: Message, req: AddRequest, now: datetime) -> MemoryRecord:

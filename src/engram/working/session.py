@@ -25,7 +25,7 @@ from ..pipeline.learn import SUMMARY_MARK
 from ..pipeline.text import content_hash
 from ..pipeline.write import AddRequest
 from ..providers.tokens import Tokenizer, get_tokenizer
-from ..store import Query, Store
+from ..store import Seen, Select, Store
 from .policies import (
     DEFAULT_POLICY,
     Digests,
@@ -53,12 +53,17 @@ def is_session_summary(rec: MemoryRecord) -> bool:
 
 
 def records(store: Store, scope: Scope, after: str | None = None) -> list[MemoryRecord]:
-    """The messages of the session of exactly `scope` after the id `after`, oldest first."""
-    q = Query(scope=scope, now=utcnow(), kinds=(Kind.EPISODIC,))
+    """The messages of the session of exactly `scope` after the id `after`, oldest first.
+
+    A turn superseded by a later one (`add(..., supersedes=...)`) is still here: it no longer
+    holds, but it was said, and the conversation is what was said (deleted and expired turns
+    are gone)."""
+    sel = Select(scope=scope, exact=True, seen=Seen.UNEXPIRED, now=utcnow(),
+                 kinds=(Kind.EPISODIC,), limit=PAGE)
     out: list[MemoryRecord] = []
     cursor = after
     while True:
-        page = store.select(q, after_id=cursor, limit=PAGE)
+        page = store.read_memories(replace(sel, after_id=cursor))
         out += [r for r in page if r.scope == scope and not is_session_summary(r)]
         if len(page) < PAGE:
             return out
