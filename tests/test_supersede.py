@@ -276,9 +276,6 @@ def test_a_keyed_retry_of_a_supersede_returns_the_first_result(mem: Memory) -> N
     assert mem.stats(user_id="tom").memories == 1
 
 
-@pytest.mark.xfail(strict=True, reason="jobs.Queue._result rebuilds events only from the "
-                   "result's memories; a SUPERSEDE event belongs to the closed memory (the job "
-                   "summary names it under `touched`): a jobs.py change for the lead")
 def test_a_keyed_retry_of_a_supersede_returns_its_events_too(mem: Memory) -> None:
     old = mem.add("Tom lives in Manchester", user_id="tom", kind="semantic").memories[0]
     first = mem.add("Tom lives in Leeds", user_id="tom", kind="semantic", supersedes=old.id,

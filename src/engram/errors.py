@@ -5,7 +5,8 @@
     │   ├── InvalidFilter     a malformed `filters` expression
     │   └── InvalidImport     an export file that cannot be read back
     ├── NotFound              an unknown (or erased, or other-scope) memory id
-    ├── Conflict              an idempotency key reused with a different request
+    ├── Conflict              the request conflicts with what is stored (a superseded target)
+    │   └── KeyReused         an idempotency key reused with a different request
     ├── InProgress            the first request under an idempotency key is still running
     ├── StoreError            the database failed; the write did not happen
     │   ├── StoreBusy         the database stayed locked past the retry budget
@@ -47,9 +48,15 @@ class NotFound(EngramError, KeyError):
 
 
 class Conflict(EngramError):
-    """The request conflicts with what is stored: an idempotency key already used for a
-    different request. Nothing was written. (A key whose first request is still running is
-    `InProgress`, not a conflict: the same request will succeed later.)"""
+    """The request conflicts with what is stored: e.g. `add(supersedes=id)` names a memory
+    another writer has already superseded (the message names its current version). Nothing was
+    written. (A key whose first request is still running is `InProgress`, not a conflict: the
+    same request will succeed later.)"""
+
+
+class KeyReused(Conflict):
+    """An idempotency key already used for a different request; nothing was written (the
+    service answers 422, as the IETF Idempotency-Key draft says)."""
 
 
 class InProgress(EngramError):

@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from . import validate as valid
-from .errors import Conflict, EngramError, InProgress, InvalidInput, NotFound
+from .errors import Conflict, EngramError, InProgress, InvalidInput, KeyReused, NotFound
 from .model import AddResult, Job, JobStatus, Kind, Scope, new_id, utcnow
 from .pipeline import extract as extraction
 from .pipeline import learn, write
@@ -52,7 +52,7 @@ class Queue:
 
     def add(self, req: AddRequest, key: str | None, background: bool) -> AddResult:
         """Run an add now (or queue it, `background`), at most once per idempotency `key`:
-        a retry gets the first result; another request under the key is a `Conflict`; a retry
+        a retry gets the first result; another request under the key is `KeyReused`; a retry
         while the first is still queued or running is `InProgress`."""
         if background:
             return AddResult(memories=[], events=[],
@@ -83,7 +83,7 @@ class Queue:
             known = store.job_by_key(key)
             if known is not None:
                 if known.fingerprint != fp:
-                    raise Conflict(f"idempotency key {key!r} was used for a different request")
+                    raise KeyReused(f"idempotency key {key!r} was used for a different request")
                 if known.status is not JobStatus.FAILED:
                     return known
                 # the same request again after it failed for good: run it again
@@ -114,7 +114,7 @@ class Queue:
         if job is None:
             return None, None
         if job.fingerprint != fp:
-            raise Conflict(f"idempotency key {key!r} was used for a different request")
+            raise KeyReused(f"idempotency key {key!r} was used for a different request")
         if job.status is JobStatus.QUEUED and self.engine.config.worker != "thread":
             # no worker here to wait for: never block on `engram worker` processes
             raise InProgress(f"the request with idempotency key {key!r} is queued; retry later",
@@ -132,8 +132,11 @@ class Queue:
         store = self.engine.store
         ids = list(summary.get("memories", []))
         found = store.get(ids)
-        wanted = set(summary.get("events", []))
-        events = [e for mid in dict.fromkeys(ids) for e in store.events(mid) if e.id in wanted]
+        # events are about the stored memories and about those they touched (a SUPERSEDE
+        # closes an older memory): read the history of both, keep the order of the result
+        about = dict.fromkeys([*ids, *summary.get("touched", [])])
+        by_id = {e.id: e for mid in about for e in store.events(mid)}
+        events = [by_id[i] for i in summary.get("events", []) if i in by_id]
         return AddResult(memories=[found[i] for i in ids if i in found], events=events,
                          notes=tuple(summary.get("notes", [])))
 
@@ -218,7 +221,8 @@ class Queue:
                                        lease_until=None, result=write.summary(result)))
         except Exception as exc:  # a job must end in a state, whatever went wrong
             now = utcnow()
-            final = isinstance(exc, InvalidInput | NotFound) or job.attempts > self.engine.config.job_retries
+            final = (isinstance(exc, InvalidInput | NotFound | Conflict)  # asking again cannot help
+                     or job.attempts > self.engine.config.job_retries)
             status = JobStatus.FAILED if final else JobStatus.QUEUED
             retry = now + timedelta(seconds=min(2 ** job.attempts, 60))
             log.warning("job %s (%s) attempt %d failed: %r%s", job.id, job.task, job.attempts, exc,

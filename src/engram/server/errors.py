@@ -30,6 +30,7 @@ from ..errors import (
     InProgress,
     InvalidFilter,
     InvalidInput,
+    KeyReused,
     NotFound,
     ProviderError,
     StoreBusy,
@@ -74,6 +75,9 @@ def classify(exc: EngramError) -> tuple[int, str, dict[str, str]]:
     if isinstance(exc, InProgress):
         # The IETF Idempotency-Key draft: 409 while the first request is being processed.
         return 409, "in_progress", {"Retry-After": retry_after_header(exc.retry_after)}
+    if isinstance(exc, KeyReused):
+        # the IETF Idempotency-Key draft: a key reused with another payload is a 422
+        return 422, "idempotency_key_reused", {}
     if isinstance(exc, Conflict):
         return 409, "conflict", {}
     if isinstance(exc, StoreBusy):
