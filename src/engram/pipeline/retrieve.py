@@ -1,8 +1,9 @@
 """Retrieval as data: a frozen `RetrievalConfig` (with named presets) and pure ranking functions.
 
 The read path: candidates from the store (dense over the text, window and fact keys, lexical BM25) -> `fuse`
-(score-normalised, weighted) -> `rank` (speaker, time-question, session, recency, importance
-adjustments) -> hits. Each stage's contribution is kept in `Hit.explain`.
+(score-normalised, weighted) -> `rank` (speaker, time-question, recency within the scope's own time
+span, importance, session adjustments, then topic-level newest-wins for questions about the
+present) -> hits. Each stage's contribution is kept in `Hit.explain` under its own name.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ _PAST_QUESTION = re.compile(
     r"summer|winter|spring|autumn|fall)|in (19|20)\d\d)\b", re.IGNORECASE)
 _CHANGE_WORDS = re.compile(
     # "now" as opposed to before; not "right now", "for now", "just now" (at this moment)
-    r"\b((?<!right )(?<!for )(?<!just )(?<!until )(?<!by )now(?! and then)|nowadays|these days|anymore|no longer|instead|actually|correction|corrected|"
+    r"\b((?<!right )(?<!for )(?<!just )(?<!until )(?<!by )now(?! and then)|nowadays|these days|"
+    r"anymore|no longer|instead|actually|correction|corrected|"
     r"changed?|switched|moved|cancel+ed|postponed|rescheduled|delayed|quit|stopped|gave up|"
     r"given up|dropped|replaced|from now on|as of|turn(s|ed) out|misheard|mistaken|"
     r"got (it|that) wrong|"
