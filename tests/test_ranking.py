@@ -97,7 +97,7 @@ def test_a_2024_conversation_read_in_2026_still_has_recency() -> None:
               rank(fused_of({"old": 0.5, "new": 0.5}), {c.id: c for c in cands}, "what is it?",
                    HYBRID, NOW)}
     assert ranked["new"]["recency"] == pytest.approx(HYBRID.recency_weight)
-    assert "recency" not in ranked["old"]
+    assert ranked["old"]["recency"] == 0.0  # shown: the oldest, not a missing signal
 
 
 def test_questions_about_the_past_get_no_recency() -> None:

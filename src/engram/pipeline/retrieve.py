@@ -231,12 +231,15 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate],
     top = sorted(score, key=lambda m: (-score[m], m))[:page]
     when = {m: recs[m].observed_at or recs[m].created_at for m in top}
     words = {m: topic_words(recs[m].text) for m in top}
-    # how many candidates use each of the page's words: a word most of the pool uses
-    # ("great", a name) is no topic
-    df = dict.fromkeys(frozenset().union(*words.values()), 0)
-    for rec in recs.values():
-        for w in topic_words(rec.text) & df.keys():
-            df[w] += 1
+    # how many candidates use each word that two statements of one speaker share: a word
+    # much of the pool uses ("great", a name) is no topic
+    shared = {w for a in top for b in top if when[a] < when[b] and recs[a].name == recs[b].name
+              for w in words[a] & words[b]}
+    df = dict.fromkeys(shared, 0)
+    if shared:
+        for rec in recs.values():
+            for w in shared.intersection(topic_words(rec.text)):
+                df[w] += 1
     lifted = {m: score[m] for m in top}
     for b in sorted(top, key=lambda m: (when[m], m)):
         changed = announces_change(recs[b].text)
@@ -258,8 +261,8 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
     explain = {mid: dict(fused[mid]) for mid in recs}
     score = {mid: fused[mid]["fused"] for mid in recs}
 
-    def add(mid: str, label: str, value: float) -> None:
-        if value:
+    def add(mid: str, label: str, value: float, shown: bool = False) -> None:
+        if value or shown:
             explain[mid][label] = value
             score[mid] += value
 
@@ -278,8 +281,8 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
             add(mid, "speaker", cfg.speaker_boost)
         if cfg.when_boost and when and mentions_time(rec.text):
             add(mid, "when", cfg.when_boost)
-        if recency:
-            add(mid, "recency", cfg.recency_weight * recency[mid])
+        if recency:  # shown at 0 too: the oldest candidate is 0 by definition, not by omission
+            add(mid, "recency", cfg.recency_weight * recency[mid], shown=True)
         if cfg.importance_weight:
             add(mid, "importance", cfg.importance_weight * rec.importance)
 
