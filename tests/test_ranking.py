@@ -262,3 +262,16 @@ def test_ana_moved_her_trip_to_japan_to_october(mem: Memory) -> None:
     assert _texts(mem, "When is Ana's trip to Japan?", "ana")[0] == october
     assert _texts(mem, "When is Ana's trip to Japan?", "ana", as_of=MAR)[0] == may
     assert _texts(mem, "What were Ana's original dates for Japan?", "ana")[0] == may
+
+
+def test_a_fact_needs_a_shared_topic_word_to_revise_another() -> None:
+    # facts (no speaker): "moved" alone does not make the Lisbon fact revise the job fact
+    facts = [cand("job", "Ana works as an engineer at Clinica+.", FEB, name=None, session=None),
+             cand("home", "Ana lives in Lisbon; she moved there from Porto.", MAY, name=None,
+                  session=None),
+             *(cand(f"f{i}", f"Ana likes hobby number {i}.", MAR, name=None, session=None)
+               for i in range(3))]
+    scores = {"job": 1.0, "home": 0.8, "f0": 0.3, "f1": 0.2, "f2": 0.1}
+    assert newest_wins(scores, {c.id: c for c in facts}, 10) == {}
+    facts.append(cand("job2", "Ana is a manager at Clinica+ now.", MAY, name=None, session=None))
+    assert set(newest_wins({**scores, "job2": 0.7}, {c.id: c for c in facts}, 10)) == {"job2"}

@@ -221,12 +221,13 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate],
 
     A newer candidate revises an older one on the page when both come from the same speaker
     (or neither has one) and either they share a word that no other candidate uses (the topic:
-    "Spanish" in "learning Spanish" and "I dropped Spanish") or the newer says that something
-    changed ("we moved to Leeds", "instead", "no longer"). Near-equal means "both on the first
-    page": a score margin would mean one thing among ten memories and another among a thousand,
-    while the page is where a reader looks either way, and a candidate from deeper in the pool
-    is never brought onto it. Candidates are visited oldest first, so of several revisions the
-    newest comes first; the older keep their scores and stay findable just below.
+    "Spanish" in "learning Spanish" and "I dropped Spanish") or the newer, said by a person,
+    says that something changed ("we moved to Leeds", "instead", "no longer"). Near-equal
+    means "both on the first page": a score margin would mean one thing among ten memories and
+    another among a thousand, while the page is where a reader looks either way, and a
+    candidate from deeper in the pool is never brought onto it. Candidates are visited oldest
+    first, so of several revisions the newest comes first; the older keep their scores and stay
+    findable just below. The word "no other candidate uses" is counted over the whole pool.
     """
     top = sorted(score, key=lambda m: (-score[m], m))[:page]
     when = {m: recs[m].observed_at or recs[m].created_at for m in top}
@@ -242,7 +243,9 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate],
                 df[w] += 1
     lifted = {m: score[m] for m in top}
     for b in sorted(top, key=lambda m: (when[m], m)):
-        changed = announces_change(recs[b].text)
+        # "the same person says something changed" needs a person: a fact (no speaker) is
+        # revised only by a fact sharing its topic word
+        changed = recs[b].name is not None and announces_change(recs[b].text)
         older = [a for a in top if when[a] < when[b] and recs[a].name == recs[b].name
                  and lifted[a] >= lifted[b]
                  and (changed or any(df[w] <= 2 for w in words[a] & words[b]))]
