@@ -275,3 +275,15 @@ def test_a_fact_needs_a_shared_topic_word_to_revise_another() -> None:
     assert newest_wins(scores, {c.id: c for c in facts}, 10) == {}
     facts.append(cand("job2", "Ana is a manager at Clinica+ now.", MAY, name=None, session=None))
     assert set(newest_wins({**scores, "job2": 0.7}, {c.id: c for c in facts}, 10)) == {"job2"}
+
+
+def test_in_a_tiny_scope_an_unrelated_newer_memory_stays_below() -> None:
+    # two memories: the page holds both, and "B" is a word only they share; chess is not about
+    # coffee (its cosine is the pool's lowest), so it is no revision of the coffee memory
+    cands = [cand("coffee", "B likes coffee", FEB, name=None, session=None),
+             cand("chess", "B plays chess", MAY, name=None, session=None)]
+    fused = {"coffee": {"dense": 0.5, "lexical": 0.5, "fused": 1.0},
+             "chess": {"dense": 0.0, "lexical": 0.25, "fused": 0.25}}
+    assert order(fused, cands, "coffee") == ["coffee", "chess"]
+    assert newest_wins({"coffee": 1.0, "chess": 0.25}, {c.id: c for c in cands}, 10) == \
+        {"chess": pytest.approx(0.751)}  # what it would do without the guard

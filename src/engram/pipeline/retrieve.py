@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -214,8 +214,8 @@ def span_positions(times: Mapping[K, datetime], now: datetime) -> dict[K, float]
     return {k: (v - lo) / (hi - lo) for k, v in secs.items()}
 
 
-def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate],
-                page: int) -> dict[str, float]:
+def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page: int,
+                about: Collection[str] | None = None) -> dict[str, float]:
     """Topic-level newest-wins: how much each candidate on the first `page` results is lifted
     to rank just above the older ones it revises (ids of unlifted candidates are left out).
 
@@ -228,6 +228,8 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate],
     candidate from deeper in the pool is never brought onto it. Candidates are visited oldest
     first, so of several revisions the newest comes first; the older keep their scores and stay
     findable just below. The word "no other candidate uses" is counted over the whole pool.
+    Only candidates in `about` (default: all) may be lifted: in a scope of a few memories the
+    page holds everything, and a revision must itself be about the question.
     """
     top = sorted(score, key=lambda m: (-score[m], m))[:page]
     when = {m: recs[m].observed_at or recs[m].created_at for m in top}
@@ -243,6 +245,8 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate],
                 df[w] += 1
     lifted = {m: score[m] for m in top}
     for b in sorted(top, key=lambda m: (when[m], m)):
+        if about is not None and b not in about:
+            continue
         # "the same person says something changed" needs a person: a fact (no speaker) is
         # revised only by a fact sharing its topic word
         changed = recs[b].name is not None and announces_change(recs[b].text)
@@ -304,7 +308,10 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
             add(mid, "session", cfg.session_weight * norm[unit(mid)])
 
     if cfg.newer_page and present:
-        for mid, lift in newest_wins(score, recs, cfg.newer_page).items():
+        # about the question: not the farthest in meaning (dense 0 is the pool's least similar,
+        # or 0.4 of cosine or more below the best)
+        about = {m for m in recs if fused[m].get("dense", 0.0) > 0.0} if cfg.dense_weight else None
+        for mid, lift in newest_wins(score, recs, cfg.newer_page, about).items():
             add(mid, "newer", lift)
 
     out = [(mid, score[mid], {**explain[mid], "score": score[mid]}) for mid in recs]
