@@ -309,7 +309,7 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
 
     if cfg.newer_page and present:
         # about the question: not the farthest in meaning (dense 0 is the pool's least similar,
-        # or 0.4 of cosine or more below the best)
+        # or `min_cosine_range` of cosine or more below the best)
         about = {m for m in recs if fused[m].get("dense", 0.0) > 0.0} if cfg.dense_weight else None
         for mid, lift in newest_wins(score, recs, cfg.newer_page, about).items():
             add(mid, "newer", lift)
