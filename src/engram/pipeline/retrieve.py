@@ -1,22 +1,25 @@
 """Retrieval as data: a frozen `RetrievalConfig` (with named presets) and pure ranking functions.
 
 The read path: candidates from the store (dense over the text, window and fact keys, lexical BM25) -> `fuse`
-(score-normalised, weighted) -> `rank` (speaker, time-question, session, recency, importance
-adjustments) -> hits. Each stage's contribution is kept in `Hit.explain`.
+(score-normalised, weighted) -> `rank` (speaker, time-question, recency within the scope's own time
+span, importance, session adjustments, then topic-level newest-wins for questions about the
+present) -> hits. Each stage's contribution is kept in `Hit.explain` under its own name.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 from typing import Literal, TypeVar
 
 from ..errors import InvalidInput
 from ..model import Scope
 from ..store.base import Candidate
+from .text import terms
 
 
 @dataclass(frozen=True)
@@ -35,15 +38,26 @@ class RetrievalConfig:
     speaker_boost: float = 0.0     # added when the query names the memory's speaker
     when_boost: float = 0.0        # for "when ..." questions, memories that mention a time
     session_weight: float = 0.0    # share of the memory's session's best score
-    recency_weight: float = 0.0    # weight of time decay (half-life below)
-    half_life_days: float = 30.0
+    recency_weight: float = 0.0    # the memory's place in the candidates' own time span (0 to 1)
     importance_weight: float = 0.0
+    # Topic-level newest-wins on the first `newer_page` results of a question about the present:
+    # a newer statement that revises an older one ranks just above it (see `newest_wins`).
+    newer_page: int = 0
+    # Normalisation: min-max stretches a retriever's scores to [0, 1]. Over a whole conversation
+    # the cosines of the dense keys spread over 0.44-0.95 (text) and 0.33-0.85 (window); in a
+    # scope of a few memories they may spread over 0.05, and min-max would turn that into the
+    # whole weight. So a spread smaller than these is not stretched further (in the scores'
+    # units); the best candidate still gets 1.
+    min_cosine_range: float = 0.4
+    min_session_range: float = 0.5
 
     def __post_init__(self) -> None:
         if self.fusion not in ("weighted", "rrf"):
             raise InvalidInput(f"unknown fusion {self.fusion!r}")
         if self.candidates < 1:
             raise InvalidInput("candidates must be positive")
+        if self.newer_page < 0:
+            raise InvalidInput("newer_page must be 0 (off) or positive")
 
 
 PRESETS: dict[str, RetrievalConfig] = {
@@ -52,11 +66,12 @@ PRESETS: dict[str, RetrievalConfig] = {
         # The default, tuned on the LoCoMo dev split (see bench/locomo.py and README).
         RetrievalConfig("hybrid", candidates=1000, window_weight=0.3, fact_weight=0.3,
                         speaker_boost=0.2, when_boost=0.15,
-                        session_weight=0.3, recency_weight=0.01, importance_weight=0.01),
+                        session_weight=0.3, recency_weight=0.01, importance_weight=0.01,
+                        newer_page=10),
         # The same signals over a tenth of the candidate pool: faster, a little less recall.
         RetrievalConfig("fast", candidates=100, window_weight=0.3, fact_weight=0.3, speaker_boost=0.2,
                         when_boost=0.15, session_weight=0.3, recency_weight=0.01,
-                        importance_weight=0.01),
+                        importance_weight=0.01, newer_page=10),
         # Plain baselines, for comparison.
         RetrievalConfig("rrf", fusion="rrf", previous_weight=0.0),
         RetrievalConfig("dense", dense_weight=1.0, lexical_weight=0.0),
@@ -75,14 +90,19 @@ def get_preset(name: str) -> RetrievalConfig:
 K = TypeVar("K")
 
 
-def _minmax(scores: Mapping[K, float], floor: float | None = None) -> dict[K, float]:
+def _minmax(scores: Mapping[K, float], floor: float | None = None,
+            min_range: float = 0.0) -> dict[K, float]:
+    """Scores scaled to [0, 1]: the best gets 1; the others lose their gap to the best divided
+    by the spread (from the lowest score, or from `floor`), the spread being at least `min_range`
+    so that tiny gaps in a small pool are not exaggerated."""
     if not scores:
         return {}
     lo = min(scores.values()) if floor is None else floor
     hi = max(scores.values())
-    if hi - lo < 1e-12:
+    spread = max(hi - lo, min_range)
+    if spread < 1e-12:
         return {k: 1.0 for k in scores}
-    return {k: max(0.0, (v - lo) / (hi - lo)) for k, v in scores.items()}
+    return {k: max(0.0, 1.0 - (hi - v) / spread) for k, v in scores.items()}
 
 
 def fuse(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapping[str, float],
@@ -91,6 +111,8 @@ def fuse(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapping[str
 
     Scores are min-max normalised per retriever; BM25 uses 0 as its floor (a memory with none
     of the words scores 0), which keeps one weak lexical match from looking like a perfect one.
+    Cosines are stretched over at least `cfg.min_cosine_range`, so in a small scope a small gap
+    stays small.
     """
     out: dict[str, dict[str, float]] = {}
     for label, hits in ranked.items():
@@ -100,7 +122,8 @@ def fuse(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapping[str
         if cfg.fusion == "rrf":
             norm = {mid: 1.0 / (cfg.rrf_k + r + 1) for r, (mid, _) in enumerate(hits)}
         else:
-            norm = _minmax(dict(hits), floor=0.0 if label == "lexical" else None)
+            norm = (_minmax(dict(hits), floor=0.0) if label == "lexical"
+                    else _minmax(dict(hits), min_range=cfg.min_cosine_range))
         for mid, s in norm.items():
             out.setdefault(mid, {})[label] = w * s
     for parts in out.values():
@@ -132,10 +155,107 @@ def named_speakers(query: str, names: set[str]) -> set[str]:
             if n.split() and re.search(rf"\b{re.escape(n.split()[0])}\b", query, re.IGNORECASE)}
 
 
-def decay(when: datetime, now: datetime, half_life_days: float) -> float:
-    """Time decay in ranking: 1 for a memory of today, 0.5 one half-life ago (world time)."""
-    days = max(0.0, (now - when).total_seconds() / 86400)
-    return float(0.5 ** (days / half_life_days))
+_PAST_QUESTION = re.compile(
+    r"\b(did|didn't|was|wasn't|were|weren't|had|used to|before|previous(ly)?|original(ly)?|"
+    r"former(ly)?|at first|initially|first|earlier|ago|back then|last (year|month|week|time|"
+    r"summer|winter|spring|autumn|fall)|in (19|20)\d\d)\b", re.IGNORECASE)
+_CHANGE_WORDS = re.compile(
+    # "now" as opposed to before; not "right now", "for now", "just now" (at this moment)
+    r"\b((?<!right )(?<!for )(?<!just )(?<!until )(?<!by )now(?! and then)|nowadays|these days|"
+    r"anymore|no longer|instead|actually|correction|corrected|"
+    r"changed?|switched|moved|cancel+ed|postponed|rescheduled|delayed|quit|stopped|gave up|"
+    r"given up|dropped|replaced|from now on|as of|turn(s|ed) out|misheard|mistaken|"
+    r"got (it|that) wrong|"
+    # separable phrasal verbs: "called it off", "pushed the wedding back"
+    r"(called|put) (\S+ ){0,3}off|(pushed|put) (\S+ ){0,3}back|brought (\S+ ){0,3}forward)\b",
+    re.IGNORECASE)
+_SUFFIXES = ("'s", "ing", "es", "ed", "s")
+
+
+def asks_past(query: str) -> bool:
+    """Does the question ask about an earlier state or a past event ("Where did Tom live
+    before?", "What was the original date?", "When did...")? Newest-wins does not apply then."""
+    return bool(_PAST_QUESTION.search(query))
+
+
+def announces_change(text: str) -> bool:
+    """Does the text say that something changed ("now", "instead", "actually", "moved",
+    "cancelled", "no longer", ...)? Such a statement revises what came before it."""
+    return bool(_CHANGE_WORDS.search(text))
+
+
+@lru_cache(maxsize=50_000)
+def topic_words(text: str) -> frozenset[str]:
+    """The content words of a text, lightly stemmed, for telling whether two texts share a topic.
+    (Cached: a scope's candidates come back search after search.)"""
+    out = set()
+    for w in terms(text):
+        for suffix in _SUFFIXES:
+            if w.endswith(suffix) and len(w) - len(suffix) >= 3:
+                w = w[: -len(suffix)]
+                break
+        out.add(w[:-1] if w.endswith("e") and len(w) > 3 else w)  # live, lives, lived: liv
+    return frozenset(out)
+
+
+def span_positions(times: Mapping[K, datetime], now: datetime) -> dict[K, float]:
+    """Each time's place in the span of all of them: 0 for the earliest, 1 for the latest.
+
+    Recency relative to what the scope holds rather than to the wall clock: a conversation of
+    2024 read in 2026 still has its latest turns, and wall-clock decay would give every turn
+    the same 0. Times after `now` count as `now` (clock skew); equal times all get 0.
+    """
+    if not times:
+        return {}
+    secs = {k: min(t, now).timestamp() for k, t in times.items()}
+    lo, hi = min(secs.values()), max(secs.values())
+    if hi - lo <= 0:
+        return {k: 0.0 for k in secs}
+    return {k: (v - lo) / (hi - lo) for k, v in secs.items()}
+
+
+def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page: int,
+                about: Collection[str] | None = None) -> dict[str, float]:
+    """Topic-level newest-wins: how much each candidate on the first `page` results is lifted
+    to rank just above the older ones it revises (ids of unlifted candidates are left out).
+
+    A newer candidate revises an older one on the page when both come from the same speaker
+    (or neither has one) and either they share a word that no other candidate uses (the topic:
+    "Spanish" in "learning Spanish" and "I dropped Spanish") or the newer, said by a person,
+    says that something changed ("we moved to Leeds", "instead", "no longer"). Near-equal
+    means "both on the first page": a score margin would mean one thing among ten memories and
+    another among a thousand, while the page is where a reader looks either way, and a
+    candidate from deeper in the pool is never brought onto it. Candidates are visited oldest
+    first, so of several revisions the newest comes first; the older keep their scores and stay
+    findable just below. The word "no other candidate uses" is counted over the whole pool.
+    Only candidates in `about` (default: all) may be lifted: in a scope of a few memories the
+    page holds everything, and a revision must itself be about the question.
+    """
+    top = sorted(score, key=lambda m: (-score[m], m))[:page]
+    when = {m: recs[m].observed_at or recs[m].created_at for m in top}
+    words = {m: topic_words(recs[m].text) for m in top}
+    # how many candidates use each word that two statements of one speaker share: a word
+    # much of the pool uses ("great", a name) is no topic
+    shared = {w for a in top for b in top if when[a] < when[b] and recs[a].name == recs[b].name
+              for w in words[a] & words[b]}
+    df = dict.fromkeys(shared, 0)
+    if shared:
+        for rec in recs.values():
+            for w in shared.intersection(topic_words(rec.text)):
+                df[w] += 1
+    lifted = {m: score[m] for m in top}
+    for b in sorted(top, key=lambda m: (when[m], m)):
+        if about is not None and b not in about:
+            continue
+        # "the same person says something changed" needs a person: a fact (no speaker) is
+        # revised only by a fact sharing its topic word
+        changed = recs[b].name is not None and announces_change(recs[b].text)
+        older = [a for a in top if when[a] < when[b] and recs[a].name == recs[b].name
+                 and lifted[a] >= lifted[b]
+                 and (changed or any(df[w] <= 2 for w in words[a] & words[b]))]
+        if older:
+            lifted[b] = max(lifted[a] for a in older) + 1e-3
+    return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}
 
 
 Ranked = tuple[str, float, dict[str, float]]  # memory id, score, explanation
@@ -148,8 +268,8 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
     explain = {mid: dict(fused[mid]) for mid in recs}
     score = {mid: fused[mid]["fused"] for mid in recs}
 
-    def add(mid: str, label: str, value: float) -> None:
-        if value:
+    def add(mid: str, label: str, value: float, shown: bool = False) -> None:
+        if value or shown:
             explain[mid][label] = value
             score[mid] += value
 
@@ -158,15 +278,18 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
     named = named_speakers(query, {r.name for r in recs.values() if r.name})
     first = next(iter(named)).split()[0] if len(named) == 1 else None
     when = asks_when(query)
+    # A question about the past gets no preference for what is newer.
+    present = not asks_past(query)
+    recency = span_positions({mid: rec.observed_at or rec.created_at for mid, rec in recs.items()},
+                             now) if cfg.recency_weight and present else {}
     for mid, rec in recs.items():
         if cfg.speaker_boost and first and (
                 rec.name in named or (rec.name is None and _names(first, rec.text))):
             add(mid, "speaker", cfg.speaker_boost)
         if cfg.when_boost and when and mentions_time(rec.text):
             add(mid, "when", cfg.when_boost)
-        if cfg.recency_weight:
-            add(mid, "recency", cfg.recency_weight * decay(rec.observed_at or rec.created_at,
-                                                           now, cfg.half_life_days))
+        if recency:  # shown at 0 too: the oldest candidate is 0 by definition, not by omission
+            add(mid, "recency", cfg.recency_weight * recency[mid], shown=True)
         if cfg.importance_weight:
             add(mid, "importance", cfg.importance_weight * rec.importance)
 
@@ -180,9 +303,16 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
         best: dict[Scope | str, float] = defaultdict(float)
         for mid in recs:
             best[unit(mid)] = max(best[unit(mid)], score[mid])
-        norm = _minmax(best)
+        norm = _minmax(best, min_range=cfg.min_session_range)
         for mid in recs:
             add(mid, "session", cfg.session_weight * norm[unit(mid)])
+
+    if cfg.newer_page and present:
+        # about the question: not the farthest in meaning (dense 0 is the pool's least similar,
+        # or `min_cosine_range` of cosine or more below the best)
+        about = {m for m in recs if fused[m].get("dense", 0.0) > 0.0} if cfg.dense_weight else None
+        for mid, lift in newest_wins(score, recs, cfg.newer_page, about).items():
+            add(mid, "newer", lift)
 
     out = [(mid, score[mid], {**explain[mid], "score": score[mid]}) for mid in recs]
     out.sort(key=lambda r: (-r[1], r[0]))
