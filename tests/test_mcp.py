@@ -38,6 +38,11 @@ CHILD_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PAR
              "OMP_NUM_THREADS": "1"}  # one thread: the machine is shared
 
 
+def _same_engram() -> dict[str, str]:
+    """The child imports the engram under test (a PYTHONPATH that puts a work tree first)."""
+    return {"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else {}
+
+
 def data(result: Any) -> Any:
     assert not result.is_error, result.content[0].text
     return result.structured_content
@@ -55,7 +60,7 @@ def error(result: Any) -> str:
 def test_stdio_memory_tools(tmp_path: Path, embedder: MiniLM) -> None:
     db = tmp_path / "stdio.db"
     params = StdioServerParameters(command=sys.executable, args=["-m", "engram.cli", "mcp"],
-                                   env={**CHILD_ENV, "ENGRAM_DB": str(db)})
+                                   env={**CHILD_ENV, **_same_engram(), "ENGRAM_DB": str(db)})
     stray: list[Exception] = []  # anything on stdout that is not a protocol message lands here
 
     async def on_message(message: Any) -> None:
