@@ -535,3 +535,18 @@ def test_cli_refuses_a_bad_transport(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["--db", str(tmp_path / "x.db"), "mcp", "--transport", "sse"])
     assert result.exit_code == 2
     assert "transport must be one of stdio, http" in result.output
+
+
+@pytest.mark.slow
+def test_docs_python_example_runs_without_the_venv_on_path(tmp_path: Path) -> None:
+    # Issue 15: the example launched `engram`, found only when the venv's bin is on PATH.
+    doc = (Path(__file__).parents[1] / "docs" / "mcp.md").read_text(encoding="utf-8")
+    code = re.search(r"\*\*From Python\*\*.*?```python\n(.*?)```", doc, re.DOTALL)
+    assert code is not None
+    bin_dir = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != bin_dir)
+    env = {**os.environ, **CHILD_ENV, "PATH": path}
+    done = subprocess.run([sys.executable, "-c", code.group(1)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "Ana is vegetarian"
