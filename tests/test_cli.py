@@ -259,3 +259,34 @@ def test_docs_cover_every_command() -> None:
     missing = set(_commands()) - documented
     assert not missing, f"docs/cli.md does not document: {sorted(missing)}"
     assert len(_commands()) >= 11
+
+
+# -- issue 15: what a new user of the CLI hit ----------------------------------------------------
+
+def test_add_with_a_speaker_name(db: Path, shared_embedder: embedders.MiniLM) -> None:
+    out = run_json(db, "add", "I just moved to Lisbon", "-u", "ana", "--name", "Ana")
+    assert isinstance(out, dict) and out["memories"][0]["name"] == "Ana"
+    run(db, "add", "I love rainy days", "-u", "ana", "--name", "Bob")
+    hits = run_json(db, "search", "Where does Ana live?", "-u", "ana", "--explain")
+    assert isinstance(hits, list)
+    assert hits[0]["memory"]["text"] == "I just moved to Lisbon" and "speaker" in hits[0]["explain"]
+
+
+def test_jobs_with_none_says_so(db: Path) -> None:
+    run(db, "add", "a first memory")  # a database, with no jobs
+    assert run(db, "jobs", "--status", "failed").output.strip() == "no failed jobs"
+    assert run(db, "jobs").output.strip() == "no jobs"
+    assert run_json(db, "jobs", "--status", "failed") == []
+
+
+def test_sessions_list_shows_the_summary_after_the_end(db: Path, shared_embedder: embedders.MiniLM) -> None:
+    with Memory(db, embedder=shared_embedder) as mem:
+        s = mem.session(session_id="trip", user_id="ana")
+        s.add(["I fly to Tokyo on May 3rd.", "I will stay three weeks."])
+        s.end()
+    table = run(db, "sessions", "list").output
+    assert "Tokyo" in table  # the summary column was empty
+    listed = run_json(db, "sessions", "list")
+    assert isinstance(listed, list) and "Tokyo" in listed[0]["end_summary"]
+    shown = run(db, "sessions", "show", "trip").output
+    assert "end-of-session summary" in shown

@@ -45,8 +45,10 @@ def _data(result: Any) -> Any:
     return result.structured_content
 
 
-async def _mcp(url: str, key: str | None, tool: str, args: dict[str, Any]) -> Any:
+async def _mcp(url: str, key: str | None, tool: str, args: dict[str, Any], user: str | None = None) -> Any:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if user is not None:
+        headers["X-Engram-User"] = user
     async with (httpx2.AsyncClient(headers=headers, timeout=60) as http,
                 Client(streamable_http_client(f"{url}/mcp", http_client=http)) as c):
         return await c.call_tool(tool, args)
@@ -91,6 +93,32 @@ def test_mcp_is_mounted_behind_the_keys(live: tuple[str, dict[str, str]]) -> Non
         assert other.json()["items"] == []
         metrics = http.get(f"{url}/metrics").text
         assert 'route="/mcp"' in metrics
+
+
+def test_mcp_clients_act_for_the_user_their_header_names(live: tuple[str, dict[str, str]]) -> None:
+    # Issue 15: /mcp always used the user "default", so what REST stored for ana was invisible.
+    url, tokens = live
+    with httpx2.Client(timeout=30) as http:
+        r = http.post(f"{url}/v1/memories", headers={"Authorization": f"Bearer {tokens['a']}"},
+                      json={"user_id": "ana", "messages": "Ana is allergic to peanuts", "kind": "semantic"})
+        assert r.status_code == 201, r.text
+
+    async def scenario() -> None:
+        hits = _data(await _mcp(url, tokens["a"], "recall", {"query": "allergy"}, user="ana"))["hits"]
+        assert [h["text"] for h in hits] == ["Ana is allergic to peanuts"]
+        assert _data(await _mcp(url, tokens["a"], "recall", {"query": "allergy"}))["hits"] == []
+        assert _data(await _mcp(url, tokens["a"], "recall", {"query": "allergy"}, user="bob"))["hits"] == []
+        assert _data(await _mcp(url, tokens["b"], "recall", {"query": "allergy"}, user="ana"))["hits"] == []
+        # What an MCP client remembers for ana, REST reads for ana.
+        _data(await _mcp(url, tokens["a"], "remember", {"text": "Ana moved to Porto"}, user="ana"))
+        refused = await _mcp(url, tokens["a"], "recall", {"query": "x"}, user="u" * 300)
+        assert refused.is_error and "X-Engram-User" in refused.content[0].text
+
+    asyncio.run(scenario())
+    with httpx2.Client(timeout=30) as http:
+        items = http.get(f"{url}/v1/memories", params={"user_id": "ana"},
+                         headers={"Authorization": f"Bearer {tokens['a']}"}).json()["items"]
+        assert [m["text"] for m in items] == ["Ana is allergic to peanuts", "Ana moved to Porto"]
 
 
 def test_rest_over_loopback_with_concurrent_clients(live: tuple[str, dict[str, str]]) -> None:

@@ -46,6 +46,9 @@ def jobs(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
     if st.json:
         print_json([j.to_dict() for j in found])
         return
+    if not found:
+        typer.echo(f"no {status} jobs" if status else "no jobs", err=True)
+        return
     for j in found:
         typer.echo(f"{j.id}  {j.task:8} {j.status.value:8} attempts={j.attempts}"
                    + (f"  error: {j.error}" if j.error else ""))

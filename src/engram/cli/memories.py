@@ -52,6 +52,10 @@ def add(ctx: typer.Context,
             "--infer/--no-infer", help="With an LLM: also extract facts (default on).")] = True,
         background: Annotated[bool, typer.Option(
             "--background", help="Queue it as a job and return at once (see engram jobs).")] = False,
+        name: Annotated[str | None, typer.Option(
+            "--name", metavar="NAME",
+            help="Who said it (the speaker): 'I ...' is then about NAME, and questions naming "
+                 "NAME find it.")] = None,
         db: DbOpt = None, as_json: JsonOpt = False) -> None:
     """Remember a message (episode) or a fact."""
     st = state(ctx, db, as_json)
@@ -65,7 +69,9 @@ def add(ctx: typer.Context,
         observed = parse_time(observed_at, "--observed-at")
         expires = parse_time(expires_at, "--expires-at")
     with open_memory(st) as mem:
-        result = mem.add(text, user_id=user, agent_id=agent, session_id=session, kind=kind,
+        message: str | dict[str, str] = text if name is None else {"role": "user", "content": text,
+                                                                   "name": name}
+        result = mem.add(message, user_id=user, agent_id=agent, session_id=session, kind=kind,
                          importance=importance, infer=infer, background=background,
                          metadata=meta, observed_at=observed, expires_at=expires)
     if st.json:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from ..errors import InvalidInput
 from . import output
-from .base import DbOpt, JsonOpt, State, config, guard, print_json, state
+from .base import DbOpt, JsonOpt, State, config, guard, open_memory, print_json, state
 
 if TYPE_CHECKING:
     from ..server.keys import KeyStore
@@ -131,6 +132,11 @@ def serve(ctx: typer.Context,
     uvicorn.run(application, host=host, port=port, log_level="info", access_log=False)
 
 
+mcp_app = typer.Typer(help="Serve engram over MCP (stdio or streamable HTTP); `mcp import` migrates a "
+                             "reference memory server's file.")
+
+
+@mcp_app.callback(invoke_without_command=True)
 def mcp(ctx: typer.Context,
         transport: Annotated[str, typer.Option(
             "--transport", "-t", metavar="stdio|http",
@@ -138,11 +144,44 @@ def mcp(ctx: typer.Context,
         host: Annotated[str, typer.Option("--host", help="HTTP: address to listen on.")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="HTTP: port (0 picks a free one).")] = 8000,
         user_id: Annotated[str, typer.Option(
-            "--user-id", metavar="ID", help="Scope of every tool call: user id.")] = "default",
+            "--user-id", metavar="ID",
+            help="Scope of every tool call: user id (over HTTP an X-Engram-User header overrides it).")]
+        = "default",
         db: DbOpt = None) -> None:
     """Serve engram's memory and knowledge-graph tools over MCP (stdio or streamable HTTP)."""
+    if ctx.invoked_subcommand is not None:
+        return
     st = state(ctx, db, False)
     with guard():
         from ..mcp import serve as serve_mcp
 
         serve_mcp(transport=transport, host=host, port=port, user_id=user_id, config=config(st))
+
+
+@mcp_app.command("import")
+def mcp_import(ctx: typer.Context,
+               path: Annotated[Path, typer.Argument(
+                   dir_okay=False, metavar="MEMORY.JSONL",
+                   help="The reference server's memory file (its MEMORY_FILE_PATH).")],
+               user_id: Annotated[str, typer.Option(
+                   "--user-id", metavar="ID", help="The user whose graph it becomes.")] = "default",
+               db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Import the knowledge graph of a reference memory server (@modelcontextprotocol/server-memory):
+    entities whose name exists are skipped, relations already stored too; a bad line imports nothing."""
+    st = state(ctx, db, as_json)
+    with guard():
+        from .. import Scope
+        from ..mcp import graph
+
+        parsed = graph.read_reference_file(path)
+        with open_memory(st) as mem:
+            done = graph.import_graph(mem, parsed, Scope(user_id=user_id))
+    if st.json:
+        print_json({"entities": len(done.entities), "observations": done.observations,
+                    "relations": len(done.relations), "skipped": done.skipped})
+        return
+    typer.echo(f"imported {len(done.entities)} entities ({done.observations} observations) and "
+               f"{len(done.relations)} relations for user {user_id!r}")
+    if done.skipped:
+        typer.echo(f"skipped {len(done.skipped)} entities that exist: {', '.join(done.skipped[:20])}"
+                   + (" ..." if len(done.skipped) > 20 else ""), err=True)

@@ -41,6 +41,24 @@ def _one_session(mem: Memory, session_id: str, user: str | None, agent: str | No
     return found[0]
 
 
+def _end_summary(mem: Memory, row: Session) -> str | None:
+    """The summary `end()` stored for the session (an episode; the row keeps its id), if any."""
+    summary_id = row.state.get("summary_id")
+    if not isinstance(summary_id, str):
+        return None
+    try:
+        return mem.get(summary_id).text
+    except NotFound:  # erased or deleted since
+        return None
+
+
+def _shown_summary(mem: Memory, row: Session) -> str:
+    """What the summary column shows: after the end, the end-of-session summary (it covers every
+    message); before, the running summary (policies that summarise)."""
+    ended = _end_summary(mem, row) if row.ended_at is not None else None
+    return ended or row.summary or _end_summary(mem, row) or ""
+
+
 def _scope_text(scope: Scope) -> str:
     return ", ".join(f"{k}={v}" for k, v in scope.as_dict().items() if v and k != "session_id") or "-"
 
@@ -52,8 +70,10 @@ def list_sessions(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = No
     st = state(ctx, db, as_json)
     with open_memory(st) as mem:
         found = mem.sessions(user_id=user, agent_id=agent, limit=limit)
+        summaries = [_shown_summary(mem, s) for s in found]
+        ends = [_end_summary(mem, s) for s in found] if st.json else []
     if st.json:
-        print_json([s.to_dict() for s in found])
+        print_json([{**s.to_dict(), "end_summary": end} for s, end in zip(found, ends, strict=True)])
         return
     if not found:
         typer.echo("no sessions", err=True)
@@ -63,11 +83,11 @@ def list_sessions(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = No
     table = Table()
     for col in ("session", "user", "agent", "policy", "updated", "ended", "summary"):
         table.add_column(col)
-    for s in found:
+    for s, summary in zip(found, summaries, strict=True):
         table.add_row(output.text(s.scope.session_id or ""), output.text(s.scope.user_id or ""),
                       output.text(s.scope.agent_id or ""), s.policy.get("name", ""),
                       output.date(s.updated_at), output.date(s.ended_at) if s.ended_at else "",
-                      output.text(" ".join(s.summary.split())[:60]))
+                      output.text(" ".join(summary.split())[:60]))
     output.console().print(table)
 
 
@@ -83,8 +103,9 @@ def show(ctx: typer.Context,
         s = mem.session(session_id=session_id, user_id=row.scope.user_id,
                         agent_id=row.scope.agent_id)
         messages = s.messages()
+        end_summary = _end_summary(mem, row)
     if st.json:
-        print_json({**row.to_dict(), "messages": [
+        print_json({**row.to_dict(), "end_summary": end_summary, "messages": [
             {**m.to_chat(), "id": m.id, "observed_at": m.observed_at.isoformat() if m.observed_at else None}
             for m in messages]})
         return
@@ -95,6 +116,9 @@ def show(ctx: typer.Context,
     if row.summary:
         console.print("[bold]summary[/]")
         console.print(output.text(row.summary))
+    if end_summary:
+        console.print("[bold]end-of-session summary[/]")
+        console.print(output.text(end_summary))
     for m in messages:
         who = m.name or m.role
         console.print(output.text(f"{output.date(m.observed_at)} {who}: {m.text}"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import sys
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, TypeVar
@@ -16,8 +17,8 @@ from typing import Annotated, Any, TypeVar
 # `mcp` here is the SDK: imports are absolute, so this package (engram.mcp) never shadows it.
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp_types import ToolAnnotations
-from pydantic import Field
+from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from pydantic import BaseModel, Field, ValidationError
 
 from .. import Memory, __version__
 from ..config import Config
@@ -46,6 +47,9 @@ from .wire import (
 T = TypeVar("T")
 
 TRANSPORTS = ("stdio", "http")
+MIN_BUDGET_TOKENS = 1        # get_context: the engine's minimum (Memory.context), as in the REST API
+MAX_BUDGET_TOKENS = 200_000
+MAX_USER_CHARS = 256
 
 INSTRUCTIONS = """engram is long-term memory. Use `recall` (or `get_context`) before answering to find
 what is known, `remember` to store durable facts, preferences and lessons, `forget` to delete one.
@@ -72,23 +76,72 @@ DELETE = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent
                          open_world_hint=False)
 
 
+USER_HEADER = "X-Engram-User"  # over HTTP: the user whose memories a call reads and writes
+
+
+class _Server(MCPServer):
+    """The SDK's server, with arguments that fail the input schema reported in engram's words:
+    one line naming each bad field (`InvalidInput: limit: Input should be greater than or equal
+    to 1`), without pydantic's error count and documentation URL."""
+
+    async def call_tool(self, name: str, arguments: dict[str, Any],
+                        context: Context[Any, Any] | None = None) -> Any:
+        try:
+            return await super().call_tool(name, arguments, context)
+        except ToolError as exc:
+            cause = exc.__cause__
+            if not isinstance(cause, ValidationError):
+                raise
+            raise ToolError(f"Error executing tool {name}: InvalidInput: {_invalid(cause)}") from cause
+
+
+def _invalid(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ())) or "arguments"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    more = f" (+{exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+    return "; ".join(parts) + more
+
+
+def _text_result(text: Any, structured: BaseModel) -> CallToolResult:
+    """A result whose text is what the reference memory server sends for the tool (a bare JSON
+    array or object, indented as its JSON.stringify(value, null, 2), or a plain message) and
+    whose structured content is the tool's output schema."""
+    body = text if isinstance(text, str) else json.dumps(text, indent=2, ensure_ascii=False)
+    return CallToolResult(content=[TextContent(type="text", text=body)],
+                          structured_content=structured.model_dump(mode="json", by_alias=True))
+
+
 def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> MCPServer:
     """An MCP server whose tools act on `resolve()`'s Memory, in the scope of `user_id`.
 
     `resolve` is called once per tool call (in a worker thread), so a multi-tenant host can
     return the tenant's Memory; `current_request()` gives it the HTTP request being served.
+    Over HTTP a request's `X-Engram-User` header, when present, names the user instead.
     """
     if not isinstance(user_id, str) or not user_id.strip():
         raise InvalidInput("user_id must be a non-empty string")
-    owner = Scope(user_id=user_id)
+    default_owner = Scope(user_id=user_id)
     # WARNING: the SDK configures root logging; engram stays quiet unless ENGRAM_LOG_LEVEL says.
-    server: MCPServer = MCPServer("engram", version=__version__, instructions=INSTRUCTIONS,
-                                  log_level="WARNING")
+    server: MCPServer = _Server("engram", version=__version__, instructions=INSTRUCTIONS,
+                                log_level="WARNING")
 
-    def call(ctx: Context, fn: Callable[[Memory], T]) -> T:
-        token = _REQUEST.set(_request_of(ctx))
+    def owner_of(request: Any) -> Scope:
+        headers = getattr(request, "headers", None)
+        chosen = headers.get(USER_HEADER) if headers is not None else None
+        if chosen is None:
+            return default_owner
+        if not chosen.strip() or len(chosen) > MAX_USER_CHARS:
+            raise InvalidInput(f"the {USER_HEADER} header must be a non-empty user id of at most "
+                               f"{MAX_USER_CHARS} characters")
+        return Scope(user_id=chosen)
+
+    def call(ctx: Context, fn: Callable[[Memory, Scope], T]) -> T:
+        request = _request_of(ctx)
+        token = _REQUEST.set(request)
         try:
-            return fn(resolve())
+            return fn(resolve(), owner_of(request))
         except EngramError as exc:
             # A typed error is the caller's to act on: the model reads it as the tool's result.
             raise ToolError(f"{type(exc).__name__}: {exc}") from exc
@@ -109,7 +162,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
     ) -> RememberResult:
         """Store a memory. Facts are consolidated: an exact repeat adds nothing, a near-duplicate
         is merged into what is already known."""
-        def run(mem: Memory) -> RememberResult:
+        def run(mem: Memory, owner: Scope) -> RememberResult:
             result = mem.add(text, user_id=owner.user_id, session_id=session_id, kind=kind,
                              metadata=metadata, importance=importance)
             return RememberResult(memories=[wire.memory_out(m) for m in result.memories],
@@ -128,7 +181,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
     ) -> RecallResult:
         """Search memory (hybrid: meaning, words, recency, importance); each hit has its score,
         its dates and how the score was made."""
-        def run(mem: Memory) -> RecallResult:
+        def run(mem: Memory, owner: Scope) -> RecallResult:
             hits = mem.search(query, user_id=owner.user_id, session_id=session_id, limit=limit,
                               kinds=kinds, filters=filters)
             return RecallResult(hits=[wire.hit_out(h) for h in hits])
@@ -138,7 +191,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
     def forget(id: Annotated[str, Field(description="The id of the memory to delete")],
                ctx: Context) -> ForgetResult:
         """Delete a memory. It disappears from every read; its history keeps what it was."""
-        def run(mem: Memory) -> ForgetResult:
+        def run(mem: Memory, owner: Scope) -> ForgetResult:
             mem.delete(id, user_id=owner.user_id)  # another user's memory is NotFound
             return ForgetResult(deleted=id, message=f"memory {id} deleted")
         return call(ctx, run)
@@ -153,7 +206,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
         session_id: Annotated[str | None, Field(description="Only this conversation")] = None,
     ) -> ListResult:
         """List memories in the order they were learned, one page at a time."""
-        def run(mem: Memory) -> ListResult:
+        def run(mem: Memory, owner: Scope) -> ListResult:
             page = mem.list(user_id=owner.user_id, session_id=session_id, kinds=kinds,
                             filters=filters, cursor=cursor, limit=limit)
             return ListResult(memories=[wire.memory_out(m) for m in page.items], next_cursor=page.next_cursor)
@@ -164,11 +217,13 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
         query: Annotated[str, Field(description="The user's message or the topic at hand")],
         ctx: Context,
         session_id: Annotated[str | None, Field(description="The current conversation")] = None,
-        budget_tokens: Annotated[int, Field(ge=100, le=100_000, description="Token budget")] = 2000,
+        budget_tokens: Annotated[int, Field(
+            ge=MIN_BUDGET_TOKENS, le=MAX_BUDGET_TOKENS,
+            description="Token budget; a budget too small for the query and the framing is refused")] = 2000,
     ) -> ContextResult:
         """The context to send to a model for this query, within a token budget: instructions,
         relevant facts, episodes and lessons as dated, quoted data, then the conversation."""
-        def run(mem: Memory) -> ContextResult:
+        def run(mem: Memory, owner: Scope) -> ContextResult:
             assembled = mem.context(query, user_id=owner.user_id, session_id=session_id,
                                     budget_tokens=budget_tokens)
             return ContextResult(text=assembled.text, messages=assembled.messages,
@@ -177,92 +232,108 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
         return call(ctx, run)
 
     # -- the reference memory server's knowledge-graph tools ----------------------------------
+    # Text content as the reference server sends it (wire.py); structured content per schema.
 
     @server.tool(annotations=WRITE)
-    def create_entities(entities: list[EntityModel], ctx: Context) -> CreateEntitiesResult:
-        """Create new entities in the knowledge graph. An entity whose name exists is skipped
-        (use add_observations for it)."""
-        def run(mem: Memory) -> CreateEntitiesResult:
+    def create_entities(entities: list[EntityModel],
+                        ctx: Context) -> Annotated[CallToolResult, CreateEntitiesResult]:
+        """Create multiple new entities in the knowledge graph. An entity whose name exists is
+        skipped (use add_observations for it); names are compared exactly."""
+        def run(mem: Memory, owner: Scope) -> CallToolResult:
             created, skipped = graph.create_entities(
                 mem, [graph.Entity(e.name, e.entity_type, tuple(e.observations)) for e in entities], owner)
-            return CreateEntitiesResult(entities=[wire.entity_out(e) for e in created], skipped=skipped)
+            out = CreateEntitiesResult(entities=[wire.entity_out(e) for e in created], skipped=skipped)
+            return _text_result(wire.dump(out.entities), out)
         return call(ctx, run)
 
     @server.tool(annotations=WRITE)
-    def create_relations(relations: list[RelationModel], ctx: Context) -> CreateRelationsResult:
-        """Create relations between existing entities. Relations should be in active voice."""
-        def run(mem: Memory) -> CreateRelationsResult:
+    def create_relations(relations: list[RelationModel],
+                         ctx: Context) -> Annotated[CallToolResult, CreateRelationsResult]:
+        """Create multiple new relations between entities in the knowledge graph. Relations
+        should be in active voice."""
+        def run(mem: Memory, owner: Scope) -> CallToolResult:
             new = graph.create_relations(mem, [wire.relation_in(r) for r in relations], owner)
-            return CreateRelationsResult(relations=[wire.relation_out(r) for r in new])
+            out = CreateRelationsResult(relations=[wire.relation_out(r) for r in new])
+            return _text_result(wire.dump(out.relations), out)
         return call(ctx, run)
 
     @server.tool(annotations=WRITE)
-    def add_observations(observations: list[ObservationAddition], ctx: Context) -> AddObservationsResult:
-        """Add observations to existing entities; returns the ones that were new."""
-        def run(mem: Memory) -> AddObservationsResult:
+    def add_observations(observations: list[ObservationAddition],
+                         ctx: Context) -> Annotated[CallToolResult, AddObservationsResult]:
+        """Add new observations to existing entities in the knowledge graph; returns the ones
+        that were new."""
+        def run(mem: Memory, owner: Scope) -> CallToolResult:
             results = graph.add_observations(mem, [(o.entity_name, o.contents) for o in observations], owner)
-            return AddObservationsResult(results=[
+            out = AddObservationsResult(results=[
                 AddedObservations(entity_name=name, added_observations=added) for name, added in results])
+            return _text_result(wire.dump(out.results), out)
         return call(ctx, run)
 
     @server.tool(annotations=DELETE)
     def delete_entities(
         entityNames: Annotated[list[str], Field(description="Names of the entities to delete")],  # noqa: N803
         ctx: Context,
-    ) -> DeleteResult:
+    ) -> Annotated[CallToolResult, DeleteResult]:
         """Delete entities with their observations and relations (soft: kept in the history)."""
-        def run(mem: Memory) -> DeleteResult:
+        def run(mem: Memory, owner: Scope) -> CallToolResult:
             deleted, missing = graph.delete_entities(mem, entityNames, owner)
             message = ("Entities deleted successfully" if not missing else
                        f"Deleted {len(deleted)} of {len(deleted) + len(missing)} entities. "
                        f"Not found: {', '.join(missing)}")
-            return DeleteResult(success=True, message=message)
+            return _text_result(message, DeleteResult(success=True, message=message))
         return call(ctx, run)
 
     @server.tool(annotations=DELETE)
-    def delete_observations(deletions: list[ObservationDeletion], ctx: Context) -> DeleteResult:
+    def delete_observations(deletions: list[ObservationDeletion],
+                            ctx: Context) -> Annotated[CallToolResult, DeleteResult]:
         """Delete specific observations from entities (soft: kept in the history)."""
-        def run(mem: Memory) -> DeleteResult:
+        def run(mem: Memory, owner: Scope) -> CallToolResult:
             count, missing = graph.delete_observations(
                 mem, [(d.entity_name, d.observations) for d in deletions], owner)
             asked = sum(len(set(d.observations)) for d in deletions)
             message = "Observations deleted successfully" if count >= asked and not missing else (
                 f"Deleted {count} of {asked} observations."
                 + (f" Entities not found: {', '.join(missing)}" if missing else ""))
-            return DeleteResult(success=True, message=message)
+            return _text_result(message, DeleteResult(success=True, message=message))
         return call(ctx, run)
 
     @server.tool(annotations=DELETE)
-    def delete_relations(relations: list[RelationModel], ctx: Context) -> DeleteResult:
+    def delete_relations(relations: list[RelationModel],
+                         ctx: Context) -> Annotated[CallToolResult, DeleteResult]:
         """Delete relations (soft: kept in the history)."""
-        def run(mem: Memory) -> DeleteResult:
+        def run(mem: Memory, owner: Scope) -> CallToolResult:
             count = graph.delete_relations(mem, [wire.relation_in(r) for r in relations], owner)
             asked = len(set(map(wire.relation_in, relations)))
             message = "Relations deleted successfully" if count >= asked else (
                 f"Deleted {count} of {asked} relations. The rest matched nothing.")
-            return DeleteResult(success=True, message=message)
+            return _text_result(message, DeleteResult(success=True, message=message))
         return call(ctx, run)
 
+    def graph_result(g: graph.Graph) -> CallToolResult:
+        out = wire.graph_out(g)
+        return _text_result(wire.dump(out), out)
+
     @server.tool(annotations=READ)
-    def read_graph(ctx: Context) -> GraphResult:
+    def read_graph(ctx: Context) -> Annotated[CallToolResult, GraphResult]:
         """Read the whole knowledge graph."""
-        return call(ctx, lambda mem: wire.graph_out(graph.read_graph(mem, owner)))
+        return call(ctx, lambda mem, owner: graph_result(graph.read_graph(mem, owner)))
 
     @server.tool(annotations=READ)
     def search_nodes(
         query: Annotated[str, Field(max_length=2048, description="Matched against entity names, types "
-                                                                 "and observations, by meaning and words")],
+                                                                 "and observations, by words and meaning")],
         ctx: Context,
-    ) -> GraphResult:
-        """Search the knowledge graph (engram's hybrid search); returns the matching entities, best
-        first, and the relations touching them."""
-        return call(ctx, lambda mem: wire.graph_out(graph.search_nodes(mem, query, owner)))
+    ) -> Annotated[CallToolResult, GraphResult]:
+        """Search the knowledge graph: the entities whose name, type or observations contain the
+        query (case-insensitive), then those close to it in meaning, with the relations touching
+        them. A query that matches nothing returns nothing."""
+        return call(ctx, lambda mem, owner: graph_result(graph.search_nodes(mem, query, owner)))
 
     @server.tool(annotations=READ)
     def open_nodes(names: Annotated[list[str], Field(description="Names of the entities to read")],
-                   ctx: Context) -> GraphResult:
+                   ctx: Context) -> Annotated[CallToolResult, GraphResult]:
         """Read entities by name, with the relations touching them; unknown names are skipped."""
-        return call(ctx, lambda mem: wire.graph_out(graph.open_nodes(mem, names, owner)))
+        return call(ctx, lambda mem, owner: graph_result(graph.open_nodes(mem, names, owner)))
 
     return server
 

@@ -146,6 +146,13 @@ def relation_in(r: RelationModel) -> graph.Relation:
     return graph.Relation(r.source, r.to, r.relation_type)
 
 
+def dump(value: BaseModel | list[Any]) -> Any:
+    """A wire value as plain JSON data (camelCase keys), as the reference server writes it."""
+    if isinstance(value, list):
+        return [dump(v) for v in value]
+    return value.model_dump(mode="json", by_alias=True)
+
+
 def graph_out(g: graph.Graph) -> GraphResult:
     return GraphResult(entities=[entity_out(e) for e in g.entities],
                        relations=[relation_out(r) for r in g.relations])

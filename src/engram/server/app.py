@@ -26,6 +26,7 @@ from ..config import Config
 from ..errors import EngramError
 from ..providers.embedders import Embedder, get_embedder
 from .auth import Authenticator
+from .docs import add_docs
 from .errors import ServiceError, error_response, from_engram_error, validation_message
 from .guard import Guard, principal_of
 from .keys import KeyStore, open_key_store
@@ -73,16 +74,18 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
                 key_store.close()
 
     app = FastAPI(
-        title="engram", version=__version__, lifespan=lifespan,
+        title="engram", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
         summary="Long-term memory for LLM agents: memories, sessions and context over HTTP.",
         description="Every /v1 route needs `Authorization: Bearer <API key>` (unless the service "
-                    "runs with --no-auth). Errors are `{\"error\": {\"code\", \"message\"}}`.")
+                    "runs with --no-auth). Errors are `{\"error\": {\"code\", \"message\"}}`. "
+                    "Times are ISO-8601 with a numeric offset (`+00:00`).")
     app.state.config = config
     app.state.tenants = tenants
     app.state.auth = Authenticator(key_store)
     app.state.limiter = RateLimiter(limits.rate, limits.burst)
     app.state.metrics = metrics
     app.include_router(router)
+    add_docs(app)
     _add_probes(app, key_store, tenants)
     _add_error_handlers(app)
     if mcp_mount is not None:

@@ -14,16 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response, Security
 from fastapi import Path as PathParam
 from fastapi.encoders import jsonable_encoder
 from fastapi.responses import FileResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from .. import Memory
-from ..errors import Conflict, InvalidFilter, NotFound
-from ..model import Kind, Session
+from .. import Memory, SessionHandle
+from ..errors import Conflict, InvalidFilter, InvalidInput, NotFound
+from ..model import Kind, Scope, Session
+from ..working import SessionMessage
 from .auth import Principal, require_admin
 from .errors import ServiceError
 from .ratelimit import retry_after_header
@@ -44,10 +46,15 @@ from .schemas import (
     PageOut,
     SearchIn,
     SearchOut,
+    SessionEndOut,
     SessionIn,
     SessionMessagesIn,
     SessionMessagesOut,
     SessionOut,
+    SessionsOut,
+    SessionTranscriptOut,
+    SessionViewOut,
+    StatsOut,
     UpdateIn,
     as_messages,
 )
@@ -68,7 +75,11 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 COMMON = _errors(401, 413, 422, 429, 503)
-router = APIRouter(prefix="/v1", responses=COMMON)
+# Declared for the OpenAPI document (securitySchemes, and Swagger's Authorize button); the header
+# itself is checked by `Authenticator`, the same way on every route and on /mcp.
+BEARER = HTTPBearer(auto_error=False, scheme_name="bearer", bearerFormat="engram API key",
+                    description="`Authorization: Bearer <API key>` (`engram keys create`); "
+                                "not needed when the service runs with --no-auth.")
 
 
 @dataclass(frozen=True)
@@ -77,10 +88,11 @@ class Ctx:
     mem: Memory
 
 
-def _context(request: Request, authorization: Annotated[str | None, Header()] = None) -> Ctx:
+def _context(request: Request,
+             _: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]) -> Ctx:
     """Authenticate, spend a rate-limit token, open the tenant's memory."""
     state = request.app.state
-    principal = state.auth(authorization)
+    principal = state.auth(request.headers.get("authorization"))
     wait = state.limiter.take(principal.bucket)
     if wait > 0:
         raise ServiceError(429, "rate_limited",
@@ -90,6 +102,7 @@ def _context(request: Request, authorization: Annotated[str | None, Header()] = 
 
 
 Context = Annotated[Ctx, Depends(_context)]
+router = APIRouter(prefix="/v1", responses=COMMON)
 MemoryId = Annotated[str, PathParam(min_length=1, max_length=MAX_ID)]
 ScopeQ = Annotated[str | None, Query(min_length=1, max_length=MAX_ID)]
 
@@ -231,20 +244,55 @@ async def import_(request: Request, ctx: Context) -> Any:
 SessionId = Annotated[str, PathParam(min_length=1, max_length=MAX_ID)]
 
 
+def _stored(mem: Memory, scope: Scope) -> Session | None:
+    """The stored session of exactly this scope."""
+    found = mem.sessions(user_id=scope.user_id, agent_id=scope.agent_id, session_id=scope.session_id,
+                         limit=MAX_PAGE)
+    return next((s for s in found if s.scope == scope), None)
+
+
 def _find_session(mem: Memory, id: str, user_id: str | None, agent_id: str | None) -> Session:
-    """The stored session with this id (in the given user / agent scope, if any)."""
-    found = mem.sessions(user_id=user_id, agent_id=agent_id, session_id=id, limit=1)
+    """The stored session with this id (in the given user / agent scope, if any); an id stored
+    in several scopes needs the scope."""
+    found = mem.sessions(user_id=user_id, agent_id=agent_id, session_id=id, limit=2)
     if not found:
         raise NotFound(f"no session with id {id!r}")
+    if len(found) > 1:
+        raise InvalidInput(f"session id {id!r} exists in several scopes: give user_id / agent_id")
     return found[0]
 
 
-@router.post("/sessions", status_code=201, response_model=SessionOut, tags=["sessions"])
-def create_session(body: SessionIn, ctx: Context) -> Any:
-    """Start (or resume) a session; it is stored with its first message."""
+def _handle(mem: Memory, id: str, user_id: str | None, agent_id: str | None) -> SessionHandle:
+    scope = _find_session(mem, id, user_id, agent_id).scope
+    return mem.session(session_id=id, user_id=scope.user_id, agent_id=scope.agent_id)
+
+
+def _message_out(m: SessionMessage) -> dict[str, Any]:
+    return {"id": m.id, "role": m.role, "content": m.content, "name": m.name,
+            "observed_at": m.observed_at, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id}
+
+
+@router.post("/sessions", status_code=201, response_model=SessionOut, tags=["sessions"],
+             responses={200: {"model": SessionOut, "description": "The session exists (same id, "
+                              "user and agent): it is resumed, with the policy and metadata given"}})
+def create_session(body: SessionIn, ctx: Context, response: Response) -> Any:
+    """Start a session (201), or resume the one with this id in this scope (200): as
+    `Memory.session`, a `policy` or `metadata` given replaces the stored one."""
+    scope = Scope(user_id=body.user_id, agent_id=body.agent_id, session_id=body.session_id)
+    existed = body.session_id is not None and _stored(ctx.mem, scope) is not None
     handle = ctx.mem.session(session_id=body.session_id, user_id=body.user_id,
                              agent_id=body.agent_id, policy=body.policy, metadata=body.metadata)
+    if existed:
+        response.status_code = 200
     return handle.info().to_dict()
+
+
+@router.get("/sessions", response_model=SessionsOut, tags=["sessions"])
+def list_sessions(ctx: Context, user_id: ScopeQ = None, agent_id: ScopeQ = None,
+                  limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 20) -> Any:
+    """Stored sessions (of a user / agent, if given), most recently updated first."""
+    found = ctx.mem.sessions(user_id=user_id, agent_id=agent_id, limit=limit)
+    return {"items": [s.to_dict() for s in found]}
 
 
 @router.get("/sessions/{id}", response_model=SessionOut, tags=["sessions"], responses=_errors(404))
@@ -252,13 +300,39 @@ def get_session(id: SessionId, ctx: Context, user_id: ScopeQ = None, agent_id: S
     return _find_session(ctx.mem, id, user_id, agent_id).to_dict()
 
 
+@router.get("/sessions/{id}/messages", response_model=SessionTranscriptOut, tags=["sessions"],
+            responses=_errors(404))
+def session_messages(id: SessionId, ctx: Context, user_id: ScopeQ = None,
+                     agent_id: ScopeQ = None) -> Any:
+    """Every message of the session, oldest first."""
+    return {"messages": [_message_out(m) for m in _handle(ctx.mem, id, user_id, agent_id).messages()]}
+
+
+@router.get("/sessions/{id}/view", response_model=SessionViewOut, tags=["sessions"],
+            responses=_errors(404))
+def session_view(id: SessionId, ctx: Context, user_id: ScopeQ = None, agent_id: ScopeQ = None) -> Any:
+    """What the session's policy shows a model now: summaries, then the verbatim messages."""
+    view = _handle(ctx.mem, id, user_id, agent_id).view()
+    return {"summaries": list(view.summaries), "messages": [_message_out(m) for m in view.messages],
+            "omitted": view.omitted, "chat": view.chat()}
+
+
+@router.post("/sessions/{id}/end", response_model=SessionEndOut, tags=["sessions"],
+             responses=_errors(404))
+def end_session(id: SessionId, ctx: Context, user_id: ScopeQ = None, agent_id: ScopeQ = None) -> Any:
+    """End the session: its summary is stored as an episode, it is marked ended, and (with an
+    LLM) facts are extracted from what it said. A later message reopens it."""
+    handle = _handle(ctx.mem, id, user_id, agent_id)
+    summary = handle.end()
+    return {"session": handle.info().to_dict(), "summary": summary.to_dict() if summary else None}
+
+
 @router.delete("/sessions/{id}", status_code=204, tags=["sessions"], responses=_errors(403, 404))
 def delete_session(id: SessionId, ctx: Context, user_id: ScopeQ = None,
                    agent_id: ScopeQ = None) -> Response:
     """Erase the session: its messages, summaries and row (an admin key: this is an erasure)."""
     require_admin(ctx.principal, "deleting a session")
-    scope = _find_session(ctx.mem, id, user_id, agent_id).scope
-    ctx.mem.session(session_id=id, user_id=scope.user_id, agent_id=scope.agent_id).delete()
+    _handle(ctx.mem, id, user_id, agent_id).delete()
     return Response(status_code=204)
 
 
@@ -270,6 +344,13 @@ def add_session_messages(id: SessionId, body: SessionMessagesIn, ctx: Context,
     handle = ctx.mem.session(session_id=id, user_id=user_id, agent_id=agent_id)
     stored = handle.add([m.as_message() for m in body.messages])
     return {"memories": [m.to_dict() for m in stored]}
+
+
+@router.get("/stats", response_model=StatsOut, tags=["memories"])
+def stats(ctx: Context, user_id: ScopeQ = None, agent_id: ScopeQ = None,
+          session_id: ScopeQ = None) -> Any:
+    """Counts of the tenant (or of a scope): memories by kind and state, events, scopes, jobs."""
+    return ctx.mem.stats(user_id=user_id, agent_id=agent_id, session_id=session_id).to_dict()
 
 
 @router.post("/context", response_model=ContextOut, tags=["sessions"])

@@ -1,7 +1,9 @@
 """The wire format of the REST API: pydantic models for request bodies and responses.
 
 They mirror the `to_dict()` shapes of the core types (`MemoryRecord`, `Event`, `Job`,
-`Session`), so a memory looks the same from the library, the CLI `--json` and the service.
+`Session`), so a memory looks the same from the library, the CLI `--json` and the service. Times
+are written one way everywhere, as `to_dict()` writes them: ISO-8601 with a numeric offset
+(`2024-05-01T10:00:00+00:00`), also inside an event's `before` / `after` snapshots.
 Bounds that protect the service (list lengths, `limit`) live here; the rules of memory (text
 size, valid times, metadata) stay in `Memory` and come back as 422 `invalid_input`.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema
 
 from ..model import EventType, JobStatus, Kind
 
@@ -19,7 +21,14 @@ MAX_PAGE = 100       # `limit` of search and list
 MAX_MESSAGES = 500   # messages in one add
 MAX_ID = 256         # user / agent / session / memory ids (as in Memory)
 
+MIN_BUDGET = 1       # budget_tokens: the engine's minimum (Memory.context), as in the MCP tools
+MAX_BUDGET = 200_000
+
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
+# A time in a response, as `datetime.isoformat()` writes it (and `to_dict()` does): "+00:00",
+# never pydantic's "Z", so that top-level times and the snapshots in events read the same.
+Time = Annotated[datetime, PlainSerializer(lambda t: t.isoformat(), return_type=str, when_used="json"),
+                 WithJsonSchema({"type": "string", "format": "date-time"}, mode="serialization")]
 Limit = Annotated[int, Field(ge=1, le=MAX_PAGE)]
 
 
@@ -118,7 +127,10 @@ class SessionMessagesIn(_In):
 
 class ContextIn(ScopeIn):
     query: str = Field(description="The new user message the context is assembled for.")
-    budget_tokens: Annotated[int, Field(ge=64, le=200_000)] = 2000
+    budget_tokens: Annotated[int, Field(
+        ge=MIN_BUDGET, le=MAX_BUDGET,
+        description="At least 1 (the engine's minimum); a budget smaller than the query and the "
+                    "framing answers 422 saying how many tokens they take.")] = 2000
     instructions: Annotated[str, Field(max_length=20_000)] | None = None
 
 
@@ -137,27 +149,27 @@ class MemoryOut(BaseModel):
     text: str
     metadata: dict[str, Any]
     importance: float
-    created_at: datetime
-    updated_at: datetime
-    observed_at: datetime | None
-    valid_from: datetime | None
-    valid_to: datetime | None
+    created_at: Time
+    updated_at: Time
+    observed_at: Time | None
+    valid_from: Time | None
+    valid_to: Time | None
     superseded_by: str | None
     provenance: list[str]
     role: str | None
     name: str | None
     access_count: int
-    last_accessed_at: datetime | None
-    expires_at: datetime | None
+    last_accessed_at: Time | None
+    expires_at: Time | None
     content_hash: str
-    deleted_at: datetime | None
+    deleted_at: Time | None
 
 
 class EventOut(BaseModel):
     id: str
     memory_id: str | None
     type: EventType
-    at: datetime
+    at: Time
     scope: ScopeOut
     before: dict[str, Any] | None
     after: dict[str, Any] | None
@@ -169,12 +181,12 @@ class JobOut(BaseModel):
     task: str = Field(description="add | extract | reflect")
     scope: ScopeOut
     status: JobStatus
-    created_at: datetime
-    updated_at: datetime
-    run_at: datetime
+    created_at: Time
+    updated_at: Time
+    run_at: Time
     attempts: int
     key: str | None
-    lease_until: datetime | None
+    lease_until: Time | None
     result: dict[str, Any] | None
     error: str | None
 
@@ -216,12 +228,58 @@ class ImportOut(BaseModel):
 class SessionOut(BaseModel):
     scope: ScopeOut
     policy: dict[str, Any]
-    created_at: datetime
-    updated_at: datetime
+    created_at: Time
+    updated_at: Time
     summary: str
     summary_upto: str | None
     metadata: dict[str, Any]
-    ended_at: datetime | None
+    ended_at: Time | None
+
+
+class SessionsOut(BaseModel):
+    items: list[SessionOut] = Field(description="Most recently updated first.")
+
+
+class SessionMessageOut(BaseModel):
+    """One message of a session, as a model is shown it (OpenAI shape, tool calls included)."""
+
+    id: str | None
+    role: str
+    content: str | None
+    name: str | None
+    observed_at: Time | None
+    tool_calls: list[dict[str, Any]] | None
+    tool_call_id: str | None
+
+
+class SessionTranscriptOut(BaseModel):
+    messages: list[SessionMessageOut] = Field(description="Every message, oldest first.")
+
+
+class SessionViewOut(BaseModel):
+    summaries: list[str] = Field(description="The running summary first, then finer digests.")
+    messages: list[SessionMessageOut] = Field(description="The messages shown verbatim.")
+    omitted: int = Field(description="Messages neither shown nor summarised (trimming policies).")
+    chat: list[dict[str, Any]] = Field(description="The view as chat messages: the summaries "
+                                                   "as one leading system message, then the messages.")
+
+
+class SessionEndOut(BaseModel):
+    session: SessionOut
+    summary: MemoryOut | None = Field(description="The end-of-session summary (an episode), or "
+                                                  "null when nothing was said since the last end.")
+
+
+class StatsOut(BaseModel):
+    memories: int = Field(description="Visible now.")
+    by_kind: dict[str, int]
+    deleted: int
+    superseded: int
+    expired: int
+    events: int
+    scopes: int
+    jobs: dict[str, int] = Field(description="Background jobs by status.")
+    db_bytes: int | None = Field(description="Database size, where this scope's share is known.")
 
 
 class BlockOut(BaseModel):
