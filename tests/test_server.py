@@ -469,8 +469,6 @@ def test_reposting_a_session_resumes_it_with_the_policy_given(any_svc: Service) 
                     json={"user_id": "bob", "session_id": "trip"}).status_code == 201
 
 
-@pytest.mark.xfail(strict=True, reason="needs an engine call that stores a session before its first "
-                                       "message (SessionHandle.save(); see the issue 15 report)")
 def test_a_session_created_without_messages_is_stored_with_its_policy(svc: Service) -> None:
     r = svc.call("a-member", "POST", "/v1/sessions", json={
         "user_id": "ana", "session_id": "s", "policy": "window", "metadata": {"k": 1}})

@@ -364,3 +364,16 @@ def test_erasing_a_message_resets_summaries_which_are_rebuilt_from_what_remains(
     assert not s.view().summaries and len(s.view().messages) == 7
     s.refresh()
     assert s.view().summaries and "Lisbon" not in s.view().summaries[0]
+
+
+def test_save_stores_a_session_before_its_first_message(open_memory: Callable[..., Memory]) -> None:
+    mem = open_memory()
+    assert mem.sessions(user_id="ana", session_id="plan") == []
+    row = mem.session(user_id="ana", session_id="plan", policy="window",
+                      metadata={"topic": "trip"}).save()
+    assert row.metadata == {"topic": "trip"} and row.policy["name"] == "window"
+    [stored] = mem.sessions(user_id="ana", session_id="plan")
+    assert stored.policy == row.policy and stored.metadata == {"topic": "trip"}
+    # resumed later with no policy given: the stored one, and save() leaves the row as it is
+    again = mem.session(user_id="ana", session_id="plan")
+    assert again.policy.to_dict() == row.policy and again.save() == stored

@@ -203,6 +203,9 @@ class AsyncSessionHandle:
     async def info(self) -> Session:
         return await _in_thread(self.sync.info)
 
+    async def save(self) -> Session:
+        return await _in_thread(self.sync.save)
+
     async def add(self, messages: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
                   ) -> builtins.list[MemoryRecord]:
         return await _in_thread(self.sync.add, messages)

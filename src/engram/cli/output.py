@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from rich.text import Text
 
 # The order stages are shown in; keys a future stage adds are appended after these.
-STAGES = ("dense", "window", "fact", "lexical", "fused", "speaker", "when", "session", "recency",
+STAGES = ("dense", "window", "fact", "lexical", "fused", "speaker", "when", "session", "newer", "recency",
           "importance", "score")
 
 

@@ -23,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from .. import Memory, SessionHandle
-from ..errors import Conflict, InvalidFilter, InvalidInput, NotFound
+from ..errors import InvalidFilter, InvalidInput, NotFound
 from ..model import Kind, Scope, Session
 from ..working import SessionMessage
 from .auth import Principal, require_admin
@@ -123,14 +123,10 @@ def add_memories(body: AddIn, ctx: Context,
     kwargs: dict[str, Any] = dict(
         **body.scope(), metadata=body.metadata, observed_at=body.observed_at, infer=body.infer,
         kind=body.kind, importance=body.importance, expires_at=body.expires_at)
-    try:
-        result = ctx.mem.add(as_messages(body.messages), **kwargs, background=body.background,
-                             idempotency_key=idempotency_key)
-    except Conflict as exc:
-        if idempotency_key is None:
-            raise
-        # The IETF Idempotency-Key draft: a key reused with another payload is a 422.
-        raise ServiceError(422, "idempotency_key_reused", str(exc)) from exc
+    # KeyReused (another body under this key) answers 422, InProgress 409 with Retry-After
+    # (server/errors.py), as the IETF Idempotency-Key draft says
+    result = ctx.mem.add(as_messages(body.messages), **kwargs, background=body.background,
+                         idempotency_key=idempotency_key)
     out = {"memories": [m.to_dict() for m in result.memories],
            "events": [e.to_dict() for e in result.events], "notes": list(result.notes),
            "job": result.job.to_dict() if result.job else None}
@@ -284,7 +280,7 @@ def create_session(body: SessionIn, ctx: Context, response: Response) -> Any:
                              agent_id=body.agent_id, policy=body.policy, metadata=body.metadata)
     if existed:
         response.status_code = 200
-    return handle.info().to_dict()
+    return handle.save().to_dict()
 
 
 @router.get("/sessions", response_model=SessionsOut, tags=["sessions"])

@@ -184,6 +184,19 @@ class SessionHandle:
                            updated_at=now)
         return row
 
+    def save(self) -> Session:
+        """Store the session now, before any message (a client that creates a session with a
+        policy expects to find it): the row is created with the handle's policy and metadata,
+        or, if it exists, left as it is. Returns the stored row."""
+        with self._engine.store.write() as tx:
+            row = self._engine.store.session(self.scope)
+            if row is None:
+                now = utcnow()
+                row = Session(scope=self.scope, policy=self._policy.to_dict(), created_at=now,
+                              updated_at=now, metadata=self._metadata or {})
+                tx.put_session(row)
+        return row
+
     def _save_settings(self, metadata: Mapping[str, Any] | None) -> None:
         """Store a changed policy or metadata on an existing session."""
         with self._engine.store.write() as tx:
@@ -413,12 +426,3 @@ def open_session(queue: Queue, *, session_id: str | None, user_id: str | None,
     if row is not None and chosen.summarizes:
         handle._schedule()
     return handle
-
-
-def list_sessions(memory: Any, *, user_id: str | None, agent_id: str | None,
-                  session_id: str | None = None, limit: int = 50) -> list[Session]:
-    """Until server/routes.py calls `Memory.sessions(session_id=...)` (the faces' change at
-    merge): the same, for the one caller left. Delete with that change."""
-    result: list[Session] = memory.sessions(user_id=user_id, agent_id=agent_id,
-                                            session_id=session_id, limit=limit)
-    return result
