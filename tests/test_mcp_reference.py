@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,12 @@ def reference_server(request: pytest.FixtureRequest) -> Path:
         pytest.fail("the reference MCP memory server needs node and npm on PATH", pytrace=False)
     files = ("package.json", "package-lock.json")
     stamp = hashlib.sha256(b"".join((PINNED / f).read_bytes() for f in files)).hexdigest()[:16]
-    target = Path(request.config.cache.mkdir(f"mcp-reference-{stamp}"))
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    if cache is not None:
+        target = Path(cache.mkdir(f"mcp-reference-{stamp}"))
+    else:
+        target = Path(tempfile.gettempdir()) / f"engram-mcp-reference-{stamp}"
+        target.mkdir(exist_ok=True)
     if not (target / ENTRY).exists():
         for f in files:
             shutil.copyfile(PINNED / f, target / f)

@@ -287,3 +287,19 @@ def test_in_a_tiny_scope_an_unrelated_newer_memory_stays_below() -> None:
     assert order(fused, cands, "coffee") == ["coffee", "chess"]
     assert newest_wins({"coffee": 1.0, "chess": 0.25}, {c.id: c for c in cands}, 10) == \
         {"chess": pytest.approx(0.751)}  # what it would do without the guard
+
+
+def test_the_name_a_question_asks_about_links_no_revision() -> None:
+    # a tiny scope: every fact about Ana shares "Ana", the subject of the question, which is why
+    # both were found; it is not the topic of a change (the MCP face's first recall hit this)
+    cands = [cand("home", "Ana moved to Lisbon in May 2024", FEB, name=None, session=None),
+             cand("food", "Ana is allergic to peanuts", MAY, name=None, session=None),
+             cand("pizza", "I ordered a pizza", MAY, name=None, session=None)]
+    scores = {"home": 1.25, "food": 1.24, "pizza": 0.0}
+    recs = {c.id: c for c in cands}
+    assert newest_wins(scores, recs, 10) == {"food": pytest.approx(0.011)}  # without the rule
+    assert newest_wins(scores, recs, 10, asked=topic_words("Ana")) == {}
+    fused = {"home": {"dense": 0.5, "window": 0.3, "lexical": 0.443, "fused": 1.243},  # as measured
+             "food": {"dense": 0.446, "window": 0.268, "lexical": 0.5, "fused": 1.214},
+             "pizza": {"dense": 0.0, "fused": 0.0}}
+    assert order(fused, cands, "Where does Ana live?")[0] == "home"

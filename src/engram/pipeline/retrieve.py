@@ -215,7 +215,8 @@ def span_positions(times: Mapping[K, datetime], now: datetime) -> dict[K, float]
 
 
 def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page: int,
-                about: Collection[str] | None = None) -> dict[str, float]:
+                about: Collection[str] | None = None,
+                asked: frozenset[str] = frozenset()) -> dict[str, float]:
     """Topic-level newest-wins: how much each candidate on the first `page` results is lifted
     to rank just above the older ones it revises (ids of unlifted candidates are left out).
 
@@ -229,11 +230,14 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
     first, so of several revisions the newest comes first; the older keep their scores and stay
     findable just below. The word "no other candidate uses" is counted over the whole pool.
     Only candidates in `about` (default: all) may be lifted: in a scope of a few memories the
-    page holds everything, and a revision must itself be about the question.
+    page holds everything, and a revision must itself be about the question. Words of the
+    question's subject (`asked`: the names it mentions) never link two statements: the candidates
+    were retrieved because they share them, so "Ana" links "Ana is allergic to peanuts" to
+    "Ana moved to Lisbon" only by construction when the question is "Where does Ana live?".
     """
     top = sorted(score, key=lambda m: (-score[m], m))[:page]
     when = {m: recs[m].observed_at or recs[m].created_at for m in top}
-    words = {m: topic_words(recs[m].text) for m in top}
+    words = {m: topic_words(recs[m].text) - asked for m in top}
     # how many candidates use each word that two statements of one speaker share: a word
     # much of the pool uses ("great", a name) is no topic
     shared = {w for a in top for b in top if when[a] < when[b] and recs[a].name == recs[b].name
@@ -311,7 +315,10 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
         # about the question: not the farthest in meaning (dense 0 is the pool's least similar,
         # or `min_cosine_range` of cosine or more below the best)
         about = {m for m in recs if fused[m].get("dense", 0.0) > 0.0} if cfg.dense_weight else None
-        for mid, lift in newest_wins(score, recs, cfg.newer_page, about).items():
+        # the names the question is about ("Ana" in "Where does Ana live?") are shared by every
+        # statement about her: they are the subject, never the topic that links a revision
+        subject = topic_words(" ".join(re.findall(r"(?<!^)(?<![.?!] )\b[A-Z][\w'-]*", query.strip())))
+        for mid, lift in newest_wins(score, recs, cfg.newer_page, about, subject).items():
             add(mid, "newer", lift)
 
     out = [(mid, score[mid], {**explain[mid], "score": score[mid]}) for mid in recs]
