@@ -629,3 +629,12 @@ def describe(counts: Mapping[str, int]) -> str:
     if not ordered:
         return ""
     return "redacted: " + ", ".join(f"{t}×{n}" for t, n in ordered.items())
+
+
+def noted(reason: str, counts: Mapping[str, int]) -> str:
+    """An event's reason with what redaction replaced in its memory appended ("merged;
+    redacted: api_key×1"): the history says it, never the value."""
+    said = describe(counts)
+    if not said:
+        return reason
+    return f"{reason}; {said}" if reason else said
