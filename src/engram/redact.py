@@ -15,7 +15,8 @@ Pure functions, no I/O. The detectors are patterns plus checksums, not a model:
 |               | Face `hf_`                                                                    |
 | `token`       | JWTs (`eyJ...`.`eyJ...`.sig), `Bearer <token>`, `Authorization: Basic ...`    |
 | `secret`      | a random-looking value assigned to a secret-named key (`aws_secret_access_key |
-|               | = ...`, `"client_secret": "..."`, `API_TOKEN=...`)                            |
+|               | = ...`, `"client_secret": "..."`, `API_TOKEN=...`); Slack and Discord webhook |
+|               | URLs                                                                          |
 | `password`    | a value assigned to a password-named key (`password: x`, `DB_PASSWORD=x`,    |
 |               | `"pwd": "x"`), a password said in prose (`my password is x` when x looks      |
 |               | like one), the password of a URL (`scheme://user:pass@host`), a PIN           |
@@ -268,6 +269,17 @@ def _tokens(text: str) -> Iterator[Finding]:
         yield Finding("token", m.start(1), m.end(1))
 
 
+_WEBHOOK = re.compile(r"https://(?:hooks\.slack\.com/(?:services|workflows|triggers)/[A-Za-z0-9/_-]{20,200}+"
+                      r"|(?:ptb\.|canary\.)?discord(?:app)?\.com/api/webhooks/[0-9]{17,20}/"
+                      r"[A-Za-z0-9_-]{60,100}+)")
+
+
+def _webhooks(text: str) -> Iterator[Finding]:
+    """Webhook URLs whose path is the credential (Slack, Discord)."""
+    for m in _WEBHOOK.finditer(text):
+        yield Finding("secret", m.start(), m.end())
+
+
 _PEM_BEGIN = re.compile(r"-----BEGIN (?:[A-Z0-9]{1,20} ){0,4}PRIVATE KEY(?: BLOCK)?-----")
 _PEM_END = re.compile(r"-----END (?:[A-Z0-9]{1,20} ){0,4}PRIVATE KEY(?: BLOCK)?-----")
 _PEM_BODY = re.compile(r"(?:[ \t]*+(?:\\r|\\n|\r|\n){0,2}+[ \t]*+"
@@ -296,8 +308,8 @@ _ASSIGN = re.compile(
     r"(?<![A-Za-z0-9_.])([A-Za-z][A-Za-z0-9_.-]{0,63}+)[\"']?[ \t]*+(?::=|=>|[:=])[ \t]*+"
     r"(?:\"([^\"\n]{1,256}+)\"|'([^'\n]{1,256}+)'|([^\s\"',;<>\[\]]{1,256}+))")
 _PROSE_PASSWORD = re.compile(
-    r"(?i:\b(password|passwd|passphrase|passcode|pin(?:[ ]code|[ ]number)?))"
-    r"(?:[ ]for[ ][^\n.:=]{1,40}?)?[ \t]*+(?:(?i:is|was|will[ ]be|are)\b|[=:])[ \t]*+:?[ \t]*+"
+    r"(?i:\b(password|passwd|passphrase|passcode|pass|pwd|pw|pin(?:[ ]code|[ ]number)?)\b)"
+    r"(?:[ ]for[ ][^\n.:=]{1,40}?)?[ \t]*+(?:(?i:is|was|will[ ]be|are|to)\b|[=:])[ \t]*+:?[ \t]*+"
     r"(?i:now[ ]|still[ ]|set[ ]to[ ])?"
     r"(?:\"([^\"\n]{1,128}+)\"|'([^'\n]{1,128}+)'|`([^`\n]{1,128}+)`|([^\s\"'`]{1,128}+))")
 
@@ -330,8 +342,8 @@ def _passwords(text: str) -> Iterator[Finding]:
         value, start, end, quoted = _value(m)
         if not quoted:
             value, end = _strip_trailing(value, end)
-        if not value or placeholder_value(value):
-            continue
+        if not value or placeholder_value(value) or value.startswith("//"):
+            continue  # "pw://user:...": a URL's scheme, not a label
         if m.group(1).lower().startswith("pin"):
             if value.isdigit() and 4 <= len(value) <= 8:
                 yield Finding("password", start, end)
@@ -489,7 +501,9 @@ _PHONE_NANP = re.compile(r"(?<![A-Za-z0-9+#/.:-])(?<![0-9][ .-])(?:1[ .-])?+(?:\
 _PHONE_TRUNK = re.compile(r"(?<![A-Za-z0-9+#/.:-])(?<![0-9][ .-])0[1-9][0-9]{0,4}+(?:[ .-][0-9]{2,8}+){1,4}+"
                           r"(?![0-9A-Za-z]|[.:-][0-9])")
 _PHONE_SAID = re.compile(r"(?i:\b(?:phone|tel|telephone|mobile|cell|whatsapp|fax|sms|landline"
-                         r"|call[ ]me[ ]at|text[ ]me[ ]at|reach[ ]me[ ]at|ring[ ]me[ ]on))"
+                         r"|call[ ]me[ ]at|text[ ]me[ ]at|reach[ ]me[ ]at|ring[ ]me[ ]on"
+                         r"|m[oó]vil|telem[oó]vel|telefone|tel[eé]fono|telefon|handy|portable"
+                         r"|cellulare|t[eé]l[eé]phone))"
                          r"\b[^0-9\n]{0,20}+(\+?[0-9](?:[ .()-]{0,2}+[0-9]){6,16}+)(?![0-9])")
 _NOT_A_PHONE = re.compile(r"(?:\b(?i:order|invoice|ticket|tracking|ref|reference|isbn|id|no|nr"
                           r"|account|acct|serial|sku|part|case|version|build)\.?|#)[ .:#-]{0,3}$")
@@ -529,6 +543,7 @@ DETECTORS: tuple[tuple[frozenset[str], Callable[[str], Iterator[Finding]]], ...]
     (frozenset({"api_key"}), _vendor_keys),
     (frozenset({"token"}), _tokens),
     (frozenset({"password", "secret"}), _passwords),
+    (frozenset({"secret"}), _webhooks),
     (frozenset({"card"}), _cards),
     (frozenset({"iban"}), _ibans),
     (frozenset({"email"}), _emails),
