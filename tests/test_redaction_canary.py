@@ -223,3 +223,21 @@ def test_redacted_requests_keep_their_fingerprint(db: Path, embedder: MiniLM) ->
         assert first.job is not None and second.job is not None
         assert first.job.id == second.job.id
         assert replace(first, job=None) == replace(second, job=None)
+
+
+def test_a_job_queued_without_redaction_is_redacted_when_it_runs(db: Path,
+                                                                 embedder: MiniLM) -> None:
+    """A job queued before redaction existed (or by a process with a weaker policy) holds raw
+    text; the worker applies its own policy before storing, and the job row keeps the
+    redacted request."""
+    with Memory(config=Config(path=db, redact="off", worker="off"), embedder=embedder) as old:
+        job = old.add(SECRET, user_id="ana", background=True).job
+        assert job is not None and KEY in json.dumps(old.job(job.id).payload)
+    with Memory(config=Config(path=db, worker="off"), embedder=embedder) as mem:
+        assert mem.work(until_idle=True) == 1
+        done = mem.job(job.id)
+        assert done.status.value == "done" and done.result is not None
+        assert KEY not in json.dumps(done.payload) and CARD not in json.dumps(done.payload)
+        assert done.result["redacted"] == {"api_key": 1, "card": 1}
+        stored = mem.get(done.result["memories"][0])
+        assert stored.text == "my key is [REDACTED:api_key] and my card [REDACTED:card]"

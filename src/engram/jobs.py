@@ -217,7 +217,10 @@ class Queue:
         req = None
         try:
             if job.task == "add":
-                req = AddRequest.from_payload(job.payload)
+                # queued redacted; redacted again in case it was queued before redaction
+                # existed, or by a process with a weaker policy (idempotent otherwise)
+                req = AddRequest.from_payload(job.payload).with_policy(self.engine.config.redact)
+                job = replace(job, payload=req.payload())  # the row keeps what was stored
                 write.add(self.engine, req, job=job)
             else:
                 task = extraction.REFLECT if job.task == "reflect" else extraction.EXTRACT

@@ -67,36 +67,48 @@ class AddRequest:
     @classmethod
     def build(cls, messages: Any, scope: Scope, *, metadata: Any, observed_at: Any, infer: Any,
               kind: Any, importance: Any, expires_at: Any, max_text_chars: int,
-              redact: redaction.Policy | str, supersedes: Any = None) -> AddRequest:
+              supersedes: Any = None,
+              redact: redaction.Policy | str = redaction.Policy.SECRETS) -> AddRequest:
         """Caller input, validated whole before anything is written (InvalidInput), then
-        redacted with the policy `redact` (Config.redact): what the request holds from here on
-        (what runs now, and a background job's payload) never holds what was redacted."""
+        redacted with the policy `redact` (pass `Config.redact`; the default is Config's
+        default): what the request holds from here on (what runs now, and a background job's
+        payload) never holds what was redacted."""
         valid.flag(infer, "infer")
         given = tuple(valid.message(m, max_text_chars) for m in valid.as_list(messages))
         replaced = valid.ids(supersedes, "supersedes")
         if replaced and len(given) != 1:
             raise InvalidInput(f"supersedes names what one new memory replaces; {len(given)} "
                                "messages were given")
-        meta = valid.metadata(metadata)
-        meta_counts: Counter[str] = Counter()
-        meta = redaction.redact_value(meta, redact, meta_counts)
-        clean, counts = [], []
-        for m in given:
-            done = redaction.redact(m.content, redact)
-            if len(done.text) > max_text_chars:
-                raise InvalidInput(f"text has {len(done.text)} characters once redacted; the "
-                                   f"limit is {max_text_chars} (ENGRAM_MAX_TEXT_CHARS)")
-            found: Counter[str] = Counter(done.counts)
-            clean.append(replace(m, content=done.text,
-                                 metadata=redaction.redact_value(m.metadata, redact, found)))
-            counts.append(redaction.add_counts(found))
-        return cls(messages=tuple(clean), scope=scope, kind=valid.kind(kind) or Kind.EPISODIC,
-                   metadata=meta,
+        return cls(messages=given, scope=scope, kind=valid.kind(kind) or Kind.EPISODIC,
+                   metadata=valid.metadata(metadata),
                    observed_at=valid.moment(observed_at, "observed_at"),
                    importance=valid.importance(importance),
                    expires_at=valid.moment(expires_at, "expires_at"), infer=infer,
-                   supersedes=replaced, redacted_metadata=redaction.add_counts(meta_counts),
-                   redacted=tuple(counts) if any(counts) else ())
+                   supersedes=replaced).with_policy(redact, max_text_chars)
+
+    def with_policy(self, policy: redaction.Policy | str,
+                    max_text_chars: int | None = None) -> AddRequest:
+        """This request redacted with `policy`: each message's content and metadata and the
+        request's metadata, the counts added to those already recorded. Idempotent: a request
+        redacted once finds nothing more under the same policy (a worker applies its policy
+        again to a job queued before redaction existed, or under a weaker policy). A text
+        longer than `max_text_chars` once redacted is refused (InvalidInput)."""
+        meta_counts: Counter[str] = Counter(self.redacted_metadata)
+        meta = redaction.redact_value(self.metadata, policy, meta_counts)
+        clean, counts = [], []
+        for i, m in enumerate(self.messages):
+            done = redaction.redact(m.content, policy)
+            if max_text_chars is not None and len(done.text) > max_text_chars:
+                raise InvalidInput(f"text has {len(done.text)} characters once redacted; the "
+                                   f"limit is {max_text_chars} (ENGRAM_MAX_TEXT_CHARS)")
+            found: Counter[str] = Counter(self.redacted[i] if self.redacted else {})
+            found.update(done.counts)
+            clean.append(replace(m, content=done.text,
+                                 metadata=redaction.redact_value(m.metadata, policy, found)))
+            counts.append(redaction.add_counts(found))
+        return replace(self, messages=tuple(clean), metadata=meta,
+                       redacted_metadata=redaction.add_counts(meta_counts),
+                       redacted=tuple(counts) if any(counts) else ())
 
     def redactions(self, i: int) -> dict[str, int]:
         """What was redacted in the memory of message `i`: its content and metadata, and the
