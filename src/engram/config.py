@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidInput
+from .redact import Policy as RedactPolicy
 
 # how an LLM is asked for JSON; the rungs are described in providers/llms.py
 LLM_STRUCTURED = ("auto", "json_schema", "json_object_schema", "json_object", "prompt")
+# the redaction policies (engram.redact.Policy)
+REDACT_POLICIES = tuple(p.value for p in RedactPolicy)
 
 
 def default_db_path() -> Path:
@@ -78,6 +81,18 @@ class Config:
             raise InvalidInput("pg_reclaim must be one of vacuum, full, none")
     # -- end of PostgreSQL tuning -----------------------------------------------------------------
 
+    # -- Redaction on write (ENGRAM_REDACT; engram.redact, docs/security.md) ----------------------
+    # What is replaced by a typed placeholder ([REDACTED:api_key]) before anything is stored or
+    # embedded: off | secrets (keys, tokens, passwords, private keys, cards, IBANs) | pii
+    # (secrets, emails and phone numbers). Per tenant: each tenant's Memory gets its own Config.
+    redact: str = "secrets"
+
+    def _redact_validated(self) -> None:
+        if self.redact not in REDACT_POLICIES:
+            raise InvalidInput(f"redact must be one of {', '.join(REDACT_POLICIES)}, "
+                               f"not {self.redact!r} (ENGRAM_REDACT)")
+    # -- end of redaction ---------------------------------------------------------------------------
+
     @classmethod
     def from_env(cls, **overrides: Any) -> Config:
         env = os.environ
@@ -96,6 +111,7 @@ class Config:
             ("llm_model", "ENGRAM_LLM_MODEL"),
             ("llm_structured", "ENGRAM_LLM_STRUCTURED"),
             ("worker", "ENGRAM_WORKER"),
+            ("redact", "ENGRAM_REDACT"),  # redaction on write
         ):
             if env.get(key):
                 values[name] = env[key]
@@ -149,4 +165,5 @@ class Config:
         if self.llm_structured not in LLM_STRUCTURED:
             raise InvalidInput(f"llm_structured must be one of {', '.join(LLM_STRUCTURED)}")
         self._pg_validated()  # PostgreSQL tuning
+        self._redact_validated()  # redaction on write
         return self

@@ -18,6 +18,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
+from . import redact
 from . import validate as valid
 from .errors import Conflict, EngramError, InProgress, InvalidInput, KeyReused, NotFound
 from .model import AddResult, Job, JobStatus, Kind, Scope, new_id, utcnow
@@ -55,8 +56,12 @@ class Queue:
         a retry gets the first result; another request under the key is `KeyReused`; a retry
         while the first is still queued or running is `InProgress`."""
         if background:
-            return AddResult(memories=[], events=[],
-                             job=self.enqueue("add", req.scope, req.payload(), key))
+            # the payload holds the redacted request: the raw text is never in the jobs table
+            total = req.redacted_total()
+            said = redact.describe(total)
+            return AddResult(memories=[], events=[], notes=(said,) if said else (),
+                             job=self.enqueue("add", req.scope, req.payload(), key),
+                             redacted=total)
         fp = fingerprint("add", req.payload())
         failed = None
         if key is not None:
@@ -138,7 +143,8 @@ class Queue:
         by_id = {e.id: e for mid in about for e in store.events(mid)}
         events = [by_id[i] for i in summary.get("events", []) if i in by_id]
         return AddResult(memories=[found[i] for i in ids if i in found], events=events,
-                         notes=tuple(summary.get("notes", [])))
+                         notes=tuple(summary.get("notes", [])),
+                         redacted=dict(summary.get("redacted", {})))
 
     @staticmethod
     def _row(req: AddRequest, key: str, fp: str) -> Job:
@@ -211,7 +217,10 @@ class Queue:
         req = None
         try:
             if job.task == "add":
-                req = AddRequest.from_payload(job.payload)
+                # queued redacted; redacted again in case it was queued before redaction
+                # existed, or by a process with a weaker policy (idempotent otherwise)
+                req = AddRequest.from_payload(job.payload).with_policy(self.engine.config.redact)
+                job = replace(job, payload=req.payload())  # the row keeps what was stored
                 write.add(self.engine, req, job=job)
             else:
                 task = extraction.REFLECT if job.task == "reflect" else extraction.EXTRACT

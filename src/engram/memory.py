@@ -10,6 +10,7 @@ from __future__ import annotations
 import builtins
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -41,6 +42,7 @@ from .pipeline.retrieve import RetrievalConfig
 from .pipeline.text import content_hash
 from .providers.embedders import Embedder
 from .providers.llms import LLM
+from .redact import redact, redact_value
 from .store import Stats, Store
 from .working.policies import Policy
 from .working.session import SessionHandle, open_session
@@ -138,6 +140,14 @@ class Memory:
         already superseded is a `Conflict` naming its current version: replacing a successor
         the caller has not seen would silently lose it (compare-and-swap, not last-writer-wins).
 
+        Redaction (`ENGRAM_REDACT`, default `secrets`; see `engram.redact`): before anything
+        is stored, embedded or queued, secrets in the messages' text and metadata (API keys and
+        tokens, private keys, passwords in obvious forms, card numbers, IBANs; with `pii` also
+        emails and phone numbers) are replaced by typed placeholders (`[REDACTED:api_key]`).
+        `result.redacted` counts them by type, `notes` says "redacted: api_key×1, card×1", and
+        each memory's ADD (or MERGE) event says what was redacted in it, never the value.
+        Facts extracted by the LLM are redacted too.
+
         `background=True` validates, queues a durable job and returns at once (`result.job`);
         `wait(job.id)` gives the outcome. The same `idempotency_key` never does the work twice:
         a retry returns the first result, a different request under the same key is a
@@ -148,7 +158,7 @@ class Memory:
             messages, valid.scope(user_id, agent_id, session_id), metadata=metadata,
             observed_at=observed_at, infer=infer, kind=kind, importance=importance,
             expires_at=expires_at, max_text_chars=self.config.max_text_chars,
-            supersedes=supersedes)
+            redact=self.config.redact, supersedes=supersedes)
         valid.flag(background, "background")
         key = None if idempotency_key is None else valid.ident(idempotency_key, "idempotency_key")
         if req.supersedes and background and (key is None or self.store.job_by_key(key) is None):
@@ -192,14 +202,22 @@ class Memory:
         ("Tom moved to Leeds"), add the new fact with `supersedes=id` instead: the old one is
         closed and kept as history, and the new one holds from its own time. `valid_from`
         corrects the start itself (InvalidInput after the memory's `valid_to`).
+
+        New `text` and `metadata` are redacted as `add` redacts them (`ENGRAM_REDACT`); the
+        UPDATE event's reason says what was ("redacted: password×1").
         """
         before = self.get(id, user_id=user_id, agent_id=agent_id, session_id=session_id)
         changes: dict[str, Any] = {}
+        policy = self.config.redact
+        found: Counter[str] = Counter()
         if not isinstance(text, Unset):
-            changes["text"] = valid.text(text, self.config.max_text_chars)
+            done = redact(valid.text(text, self.config.max_text_chars), policy)
+            found.update(done.counts)
+            changes["text"] = valid.text(done.text, self.config.max_text_chars,
+                                         "text once redacted")
             changes["content_hash"] = content_hash(changes["text"])
         if not isinstance(metadata, Unset):
-            changes["metadata"] = valid.metadata(metadata)
+            changes["metadata"] = redact_value(valid.metadata(metadata), policy, found)
         if not isinstance(importance, Unset):
             changes["importance"] = valid.importance(importance)
         if not isinstance(expires_at, Unset):
@@ -215,7 +233,7 @@ class Memory:
         if not changes:
             raise InvalidInput("update needs at least one of text, metadata, importance, "
                                "expires_at, valid_from")
-        return write.update(self._engine, before, changes)
+        return write.update(self._engine, before, changes, redacted=found)
 
     def delete(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,
                session_id: str | None = None) -> None:
@@ -259,7 +277,16 @@ class Memory:
                session_id: str | None = None, filters: Mapping[str, Any] | None = None,
                limit: int = 10, kinds: Iterable[str | Kind] | None = None,
                as_of: datetime | None = None) -> builtins.list[Hit]:
-        """Hybrid search: dense + lexical candidates, fused, adjusted; each hit explains itself."""
+        """Hybrid search: dense + lexical candidates, fused, adjusted; each hit explains itself.
+
+        The query is not redacted (`ENGRAM_REDACT` applies to what is written): it is never
+        stored, only embedded for this one search and then dropped, and changing it would
+        change what is found. A search for a placeholder finds the memories it replaced a
+        value in (`search("[REDACTED:card]")`); a search for a raw secret finds nothing by
+        that value, since no stored text holds it. With a remote embedder the query, like
+        every text embedded, goes to that endpoint. At DEBUG level the query is logged
+        redacted.
+        """
         text = valid.text(query, self.config.max_text_chars)
         q = read.query(valid.scope(user_id, agent_id, session_id), filters, kinds, as_of)
         return read.search(self._engine, text, q, valid.limit(limit))

@@ -132,6 +132,8 @@ class AddResult:
     notes: tuple[str, ...] = ()     # why less was learned or checked than asked (no LLM, LLM
                                     # failed, no contradiction check for a given fact, ...)
     job: Job | None = None          # with background=True: the queued job; memories come later
+    redacted: dict[str, int] = field(default_factory=dict)  # placeholders written, by type
+                                    # (ENGRAM_REDACT): {"api_key": 1, "card": 1}; never a value
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from .model import Event, EventType, Kind, MemoryRecord, Scope, utcnow
 from .pipeline.engine import Engine
 from .pipeline.index import Keys, index
 from .pipeline.text import content_hash
+from .redact import redact, redact_value
 
 log = logging.getLogger("engram.memory")
 
@@ -44,7 +46,7 @@ def export(engine: Engine, path: Path, scope: Scope) -> int:
 
 def import_(engine: Engine, path: Path, progress: Callable[[int, int], None] | None = None) -> int:
     """Read an export back; memories whose id exists are skipped. Returns how many were new."""
-    items = read(path)
+    items = [redacted(rec, events, engine.config.redact) for rec, events in read(path)]
     existing = engine.store.get([rec.id for rec, _ in items])
     todo = [(rec, events) for rec, events in items if rec.id not in existing]
     keys: dict[str, Keys] = {}
@@ -63,6 +65,32 @@ def import_(engine: Engine, path: Path, progress: Callable[[int, int], None] | N
     log.info("imported %d memories from %s (%d already present)",
              len(todo), path, len(items) - len(todo))
     return len(todo)
+
+
+def redacted(rec: MemoryRecord, events: list[Event],
+             policy: str) -> tuple[MemoryRecord, list[Event]]:
+    """A memory and its history as this engine would have stored them (ENGRAM_REDACT): an
+    export made with redaction off, or a weaker policy, is redacted on the way in (text and
+    metadata, also in the events' snapshots and reasons). Idempotent: an export of this engine
+    comes back unchanged."""
+    text = redact(rec.text, policy).text
+    meta = redact_value(rec.metadata, policy)
+    if text != rec.text or meta != rec.metadata:
+        rec = replace(rec, text=text, metadata=meta, content_hash=content_hash(text))
+
+    def snapshot(d: dict[str, Any] | None) -> dict[str, Any] | None:
+        if not isinstance(d, dict):
+            return d
+        out = dict(d)
+        if isinstance(out.get("text"), str):
+            out["text"] = redact(out["text"], policy).text
+        if "metadata" in out:
+            out["metadata"] = redact_value(out["metadata"], policy)
+        return out
+
+    return rec, [replace(e, before=snapshot(e.before), after=snapshot(e.after),
+                         reason=None if e.reason is None else redact(e.reason, policy).text)
+                 for e in events]
 
 
 def read(path: Path) -> list[tuple[MemoryRecord, list[Event]]]:

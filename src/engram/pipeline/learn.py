@@ -8,12 +8,14 @@ versions. With no LLM, or when it fails, nothing is lost: the episodes are store
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 import numpy as np
 
+from .. import redact as redaction
 from ..errors import ProviderError
 from ..model import AddResult, Event, EventType, Kind, MemoryRecord, Scope, event, new_id, utcnow
 from ..store import Query, Tx
@@ -44,6 +46,7 @@ class Learned:
     plan: consolidate.Plan
     retext: Keys | None = None
     chain: tuple[MemoryRecord, ...] = ()  # for SUPERSEDE: the target's versions, oldest first
+    redacted: dict[str, int] = field(default_factory=dict)  # what redaction replaced, by type
 
 
 def learn(engine: Engine, episodes: Sequence[MemoryRecord], scope: Scope, task: extraction.Task,
@@ -83,7 +86,12 @@ def learn(engine: Engine, episodes: Sequence[MemoryRecord], scope: Scope, task: 
         return []
     origin = {"extractor": f"{llm.name}:{llm.model}", "prompt": task.version}
     facts = []
+    redacted: dict[str, dict[str, int]] = {}
     for c in found:
+        # The model may echo a secret (from memories stored before redaction was on, or of its
+        # own making): an extracted fact is redacted like a message, before anything else.
+        done = redaction.redact(c.text, engine.config.redact)
+        c = replace(c, text=done.text)
         kind, why = extraction.trust(c)
         if why != "ok":
             log.warning("not stored as a rule: %r (%s)", c.text[:80], why)
@@ -93,22 +101,41 @@ def learn(engine: Engine, episodes: Sequence[MemoryRecord], scope: Scope, task: 
                                  **({"trust": why} if why != "ok" else {})}},
             importance=c.importance, created_at=now, updated_at=now, observed_at=c.valid_from,
             valid_from=c.valid_from, provenance=c.sources, content_hash=content_hash(c.text)))
-    return consider(engine, facts, index(engine, facts), now, notes)
+        if done.counts:
+            redacted[facts[-1].id] = done.counts
+    return consider(engine, facts, index(engine, facts), now, notes, redacted)
 
 
 def consider(engine: Engine, facts: Sequence[MemoryRecord], keys: dict[str, Keys],
-             now: datetime, notes: list[str]) -> list[Learned]:
+             now: datetime, notes: list[str],
+             redacted: Mapping[str, Mapping[str, int]] | None = None) -> list[Learned]:
     """How each fact (extracted, or given to `add` directly) joins what is known: the LLM's
     plan against the current facts it may repeat, refine or contradict. Runs outside any
-    transaction (it calls the LLM); `learn.apply` writes the plans."""
+    transaction (it calls the LLM); `learn.apply` writes the plans.
+
+    The plan's new text and reason are the model's words: redacted like the facts.
+    `redacted` (fact id -> counts by type) is what was redacted in each fact already; a plan's
+    reason says all of it (the event's history line)."""
     near = [related(engine, f, keys[f.id][0][0].vector, now) for f in facts]
     chosen = plans(engine, list(facts), near, keys, notes)
+    counts = []
+    for n, (f, p) in enumerate(zip(facts, chosen, strict=True)):
+        found: Counter[str] = Counter((redacted or {}).get(f.id, {}))
+        text = None
+        if p.text:
+            done = redaction.redact(p.text, engine.config.redact)
+            text = done.text
+            found.update(done.counts)
+        reason = redaction.redact(p.reason, engine.config.redact)
+        found.update(reason.counts)
+        counts.append(redaction.add_counts(found))
+        chosen[n] = replace(p, text=text, reason=redaction.noted(reason.text, counts[-1]))
     texts = {p.fact: p.text for p in chosen if p.text and p.action in ("UPDATE", "MERGE")}
     retext = index(engine, [replace(facts[i], text=t) for i, t in texts.items()])
     return [Learned(f, keys[f.id], p, retext.get(f.id),
                     chain(engine, p.target, f, keys[f.id][0][0].vector, now)
-                    if p.action == "SUPERSEDE" and p.target else ())
-            for f, p in zip(facts, chosen, strict=True)]
+                    if p.action == "SUPERSEDE" and p.target else (), c)
+            for f, p, c in zip(facts, chosen, counts, strict=True)]
 
 
 def chain(engine: Engine, current: MemoryRecord, new: MemoryRecord, vector: np.ndarray,
@@ -260,4 +287,7 @@ def learn_from(engine: Engine, scope: Scope, task: extraction.Task, limit: int |
     learned = [item for s, eps in by_scope.items() for item in learn(engine, eps, s, task, now, notes)]
     with engine.store.write() as tx:
         stored, events = apply(engine, tx, learned, now)
-    return AddResult(memories=stored, events=events, notes=tuple(notes))
+    total = redaction.add_counts(*(item.redacted for item in learned))
+    said = redaction.describe(total)
+    return AddResult(memories=stored, events=events,
+                     notes=(said, *notes) if said else tuple(notes), redacted=total)

@@ -17,6 +17,7 @@ from .. import validate as valid
 from ..errors import InvalidInput, NotFound
 from ..filters import parse_filters
 from ..model import Event, Hit, Kind, MemoryRecord, Page, Scope, utcnow
+from ..redact import redact
 from ..store import Query, Store
 from .engine import Engine
 from .retrieve import Ranked, fuse, rank
@@ -69,8 +70,9 @@ def search(engine: Engine, text: str, q: Query, limit: int) -> list[Hit]:
     hits = [Hit(records[mid], score, explain) for mid, score, explain in best]
     engine.store.touch([h.memory.id for h in hits], q.now)
     if log.isEnabledFor(logging.DEBUG):
+        said = redact(text, engine.config.redact).text  # the query is not redacted; its log line is
         for h in hits:
-            log.debug("search %r -> %s %.3f %s", text[:80], h.memory.id, h.score, h.explain)
+            log.debug("search %r -> %s %.3f %s", said[:80], h.memory.id, h.score, h.explain)
     return hits
 
 

@@ -7,13 +7,15 @@ writes the rows and an event per decision. Also in-place edits (`update`) and so
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 import numpy as np
 
+from .. import redact as redaction
 from .. import validate as valid
 from ..errors import Conflict, InvalidInput, NotFound
 from ..model import (
@@ -57,12 +59,20 @@ class AddRequest:
     expires_at: datetime | None
     infer: bool
     supersedes: tuple[str, ...] = ()  # the ids the (one) new memory replaces
+    # What redaction replaced (engram.redact; counts by type, never a value): in `metadata`,
+    # and in each message's content and metadata. Empty when nothing was.
+    redacted_metadata: dict[str, int] = field(default_factory=dict)
+    redacted: tuple[dict[str, int], ...] = ()
 
     @classmethod
     def build(cls, messages: Any, scope: Scope, *, metadata: Any, observed_at: Any, infer: Any,
               kind: Any, importance: Any, expires_at: Any, max_text_chars: int,
-              supersedes: Any = None) -> AddRequest:
-        """Caller input, validated whole before anything is written (InvalidInput)."""
+              supersedes: Any = None,
+              redact: redaction.Policy | str = redaction.Policy.SECRETS) -> AddRequest:
+        """Caller input, validated whole before anything is written (InvalidInput), then
+        redacted with the policy `redact` (pass `Config.redact`; the default is Config's
+        default): what the request holds from here on (what runs now, and a background job's
+        payload) never holds what was redacted."""
         valid.flag(infer, "infer")
         given = tuple(valid.message(m, max_text_chars) for m in valid.as_list(messages))
         replaced = valid.ids(supersedes, "supersedes")
@@ -74,7 +84,41 @@ class AddRequest:
                    observed_at=valid.moment(observed_at, "observed_at"),
                    importance=valid.importance(importance),
                    expires_at=valid.moment(expires_at, "expires_at"), infer=infer,
-                   supersedes=replaced)
+                   supersedes=replaced).with_policy(redact, max_text_chars)
+
+    def with_policy(self, policy: redaction.Policy | str,
+                    max_text_chars: int | None = None) -> AddRequest:
+        """This request redacted with `policy`: each message's content and metadata and the
+        request's metadata, the counts added to those already recorded. Idempotent: a request
+        redacted once finds nothing more under the same policy (a worker applies its policy
+        again to a job queued before redaction existed, or under a weaker policy). A text
+        longer than `max_text_chars` once redacted is refused (InvalidInput)."""
+        meta_counts: Counter[str] = Counter(self.redacted_metadata)
+        meta = redaction.redact_value(self.metadata, policy, meta_counts)
+        clean, counts = [], []
+        for i, m in enumerate(self.messages):
+            done = redaction.redact(m.content, policy)
+            if max_text_chars is not None and len(done.text) > max_text_chars:
+                raise InvalidInput(f"text has {len(done.text)} characters once redacted; the "
+                                   f"limit is {max_text_chars} (ENGRAM_MAX_TEXT_CHARS)")
+            found: Counter[str] = Counter(self.redacted[i] if self.redacted else {})
+            found.update(done.counts)
+            clean.append(replace(m, content=done.text,
+                                 metadata=redaction.redact_value(m.metadata, policy, found)))
+            counts.append(redaction.add_counts(found))
+        return replace(self, messages=tuple(clean), metadata=meta,
+                       redacted_metadata=redaction.add_counts(meta_counts),
+                       redacted=tuple(counts) if any(counts) else ())
+
+    def redactions(self, i: int) -> dict[str, int]:
+        """What was redacted in the memory of message `i`: its content and metadata, and the
+        request's metadata (which every memory of the request carries)."""
+        own = self.redacted[i] if self.redacted else {}
+        return redaction.add_counts(self.redacted_metadata, own)
+
+    def redacted_total(self) -> dict[str, int]:
+        """What was redacted in the whole request (the request's metadata counted once)."""
+        return redaction.add_counts(self.redacted_metadata, *self.redacted)
 
     def start(self, now: datetime) -> datetime:
         """When the (first) new memory holds from: see `record`."""
@@ -92,6 +136,9 @@ class AddRequest:
             "expires_at": t(self.expires_at), "infer": self.infer,
             # only when given: a request without it keeps the fingerprint it always had
             **({"supersedes": list(self.supersedes)} if self.supersedes else {}),
+            **({"redacted": {"metadata": self.redacted_metadata,
+                             "messages": list(self.redacted)}}
+               if self.redacted_metadata or self.redacted else {}),
         }
 
     @classmethod
@@ -104,7 +151,9 @@ class AddRequest:
             scope=Scope(s["user_id"], s["agent_id"], s["session_id"]), kind=Kind(d["kind"]),
             metadata=d["metadata"], observed_at=valid.moment(d["observed_at"], "observed_at"),
             importance=d["importance"], expires_at=valid.moment(d["expires_at"], "expires_at"),
-            infer=d["infer"], supersedes=tuple(d.get("supersedes", ())))
+            infer=d["infer"], supersedes=tuple(d.get("supersedes", ())),
+            redacted_metadata=dict(d.get("redacted", {}).get("metadata", {})),
+            redacted=tuple(dict(c) for c in d.get("redacted", {}).get("messages", ())))
 
 
 def summary(result: AddResult) -> dict[str, Any]:
@@ -113,7 +162,8 @@ def summary(result: AddResult) -> dict[str, Any]:
     memory, which is not one of the result's memories."""
     return {"memories": [m.id for m in result.memories], "events": [e.id for e in result.events],
             "touched": list(dict.fromkeys(e.memory_id for e in result.events if e.memory_id)),
-            "notes": list(result.notes)}
+            "notes": list(result.notes),
+            **({"redacted": dict(result.redacted)} if result.redacted else {})}
 
 
 def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult:
@@ -124,6 +174,7 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
     whole result."""
     now = utcnow()
     records = [record(m, req, now) for m in req.messages]
+    redacted = {r.id: req.redactions(i) for i, r in enumerate(records) if req.redactions(i)}
     keys = index(engine, records)
     notes: list[str] = []
     learned: list[learn.Learned] = []
@@ -140,7 +191,7 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
             fresh = [r for r in records
                      if engine.store.find_hash(r.scope, r.kind, r.content_hash, now) is None]
             checked = {item.record.id: item
-                       for item in learn.consider(engine, fresh, keys, now, notes)}
+                       for item in learn.consider(engine, fresh, keys, now, notes, redacted)}
     # A turn is also found by what was learned from it: each extracted fact becomes an
     # extra `fact` key of its source episodes.
     fact_keys: dict[str, list[Key]] = {}
@@ -189,7 +240,7 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
                 # The merged text is one of the two, already embedded: no model call here.
                 tx.update(merged, *(keys[rec.id] if merged.text == rec.text else (None, None)))
                 ev = event(EventType.MERGE, merged, now, before=target, after=merged,
-                           reason=decision.reason)
+                           reason=redaction.noted(decision.reason, redacted.get(rec.id, {})))
                 batch = [(merged, v) if r.id == merged.id else (r, v) for r, v in batch]
                 stored = [merged if r.id == merged.id else r for r in stored]
                 if merged.id not in {r.id for r in stored}:
@@ -210,7 +261,8 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
                     events.append(closing)
                     log.info("superseded %s by %s (caller)", target.id, rec.id)
                 tx.insert(rec, [*own, *fact_keys.get(rec.id, [])], lexical)
-                ev = event(EventType.ADD, rec, now, after=rec, reason=reason)
+                ev = event(EventType.ADD, rec, now, after=rec,
+                           reason=redaction.noted(reason, redacted.get(rec.id, {})))
                 batch.append((rec, vec))
                 stored.append(rec)
                 log.info("added %s %s in %s", rec.kind.value, rec.id, req.scope)
@@ -220,7 +272,11 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
         stored += facts
         events += fact_events
         events += evict(engine, tx, req.scope, now)
-        result = AddResult(memories=stored, events=events, notes=tuple(notes))
+        total = redaction.add_counts(req.redacted_total(),
+                                     *(item.redacted for item in learned))
+        said = redaction.describe(total)
+        result = AddResult(memories=stored, events=events,
+                           notes=(said, *notes) if said else tuple(notes), redacted=total)
         if job is not None:
             tx.put_job(replace(job, status=JobStatus.DONE, result=summary(result), error=None,
                                updated_at=now, lease_until=None))
@@ -318,9 +374,11 @@ def evict(engine: Engine, tx: Tx, scope: Scope, now: datetime) -> list[Event]:
     return events
 
 
-def update(engine: Engine, before: MemoryRecord, changes: Mapping[str, Any]) -> MemoryRecord:
-    """Change a memory in place (validated `changes`); new text re-indexes it and the turns
-    whose window holds it. The UPDATE event keeps the before and after."""
+def update(engine: Engine, before: MemoryRecord, changes: Mapping[str, Any], *,
+           redacted: Mapping[str, int] | None = None) -> MemoryRecord:
+    """Change a memory in place (validated and redacted `changes`); new text re-indexes it
+    and the turns whose window holds it. The UPDATE event keeps the before and after, and
+    says what redaction replaced (`redacted`, counts by type)."""
     now = utcnow()
     after = replace(before, **changes, updated_at=now)
     keys, moved = None, []
@@ -333,7 +391,8 @@ def update(engine: Engine, before: MemoryRecord, changes: Mapping[str, Any]) -> 
         tx.update(after, *(keys or (None, None)))
         for rec, (own, lexical) in moved:
             tx.update(rec, own, lexical)
-        tx.append(event(EventType.UPDATE, after, now, before=before, after=after))
+        tx.append(event(EventType.UPDATE, after, now, before=before, after=after,
+                        reason=redaction.noted("", redacted or {}) or None))
     log.info("updated %s: %s", before.id, sorted(changes))
     return after
 

@@ -25,6 +25,7 @@ from ..pipeline.learn import SUMMARY_MARK
 from ..pipeline.text import content_hash
 from ..pipeline.write import AddRequest
 from ..providers.tokens import Tokenizer, get_tokenizer
+from ..redact import redact, redact_value
 from ..store import Seen, Select, Store
 from .policies import (
     DEFAULT_POLICY,
@@ -228,7 +229,8 @@ class SessionHandle:
         req = AddRequest.build(
             [to_episode(m, now) for m in items], self.scope, metadata=None, observed_at=None,
             infer=False, kind=None, importance=None, expires_at=None,
-            max_text_chars=self._engine.config.max_text_chars)
+            max_text_chars=self._engine.config.max_text_chars,
+            redact=self._engine.config.redact)  # tool calls in the metadata too
         result = self._queue.add(req, key=None, background=False)
         with self._engine.store.write() as tx:
             row = self._engine.store.session(self.scope)
@@ -310,7 +312,7 @@ class SessionHandle:
             fold = plan(self._policy, digests, pending)
             if fold is None:
                 return done
-            text, mode = self._get_summarizer().summarize(fold, self._max_tokens())
+            text, mode = self._summarize(fold, self._max_tokens())
             after = apply_fold(digests, fold, text)
             with store.write() as tx:
                 now = store.session(self.scope)
@@ -324,6 +326,12 @@ class SessionHandle:
             done += 1
             log.info("session %s: folded %d messages (%s, level %d)", self.id, fold.count, mode,
                      fold.level)
+
+    def _summarize(self, fold: Fold, max_tokens: int) -> tuple[str, str]:
+        """A summary of `fold`, redacted: its messages were, but an LLM's summary is the
+        model's words, and it may see messages stored before redaction was on."""
+        text, mode = self._get_summarizer().summarize(fold, max_tokens)
+        return redact(text, self._engine.config.redact).text, mode
 
     def _max_tokens(self) -> int:
         return int(getattr(self._policy, "max_tokens", END_SUMMARY_TOKENS))
@@ -355,8 +363,7 @@ class SessionHandle:
         pending = tuple(to_session_message(r) for r in records
                         if covered is None or r.id > covered)
         lower = tuple(d for level in reversed(digests.levels) for d in level)
-        text, mode = self._get_summarizer().summarize(
-            Fold(0, digests.summary, pending, lower), END_SUMMARY_TOKENS)
+        text, mode = self._summarize(Fold(0, digests.summary, pending, lower), END_SUMMARY_TOKENS)
         if not text.strip():
             text = "\n".join(m.text for m in pending)[:2000] or "(empty session)"
         self._extract()  # first: what the session said, not its summary
@@ -415,7 +422,8 @@ def open_session(queue: Queue, *, session_id: str | None, user_id: str | None,
     background (after a crash, they may lag)."""
     scope = valid.scope(user_id, agent_id, session_id if session_id is not None else new_id())
     wanted = as_policy(policy)
-    meta = valid.metadata(metadata) if metadata is not None else None
+    meta = (redact_value(valid.metadata(metadata), queue.engine.config.redact)
+            if metadata is not None else None)
     row = queue.engine.store.session(scope)
     stored = from_dict(row.policy) if row is not None and row.policy else None
     chosen = wanted or stored or DEFAULT_POLICY
