@@ -149,11 +149,13 @@ class Pool:
         finally:
             self.release(conn)
 
-    def close(self) -> None:
-        """Called once by each user of the pool; the last one closes the connections."""
+    def close(self) -> bool:
+        """Called once by each user of the pool; the last one closes the connections (and
+        learns so: True)."""
         with self._cond:
             self._users -= 1
             if self._users > 0:
-                return
+                return False
             self._closed = True
         self.drop_idle()
+        return True

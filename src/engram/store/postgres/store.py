@@ -1,4 +1,5 @@
-"""The scale-out store: PostgreSQL with pgvector (HNSW, cosine) and full-text search.
+"""The scale-out store: PostgreSQL with pgvector (HNSW, cosine) and a BM25 lexical index that
+ranks as the embedded store's FTS5 does (bm25.py).
 
 Every row carries its tenant and every query filters on it inside the SQL; row-level security
 on `engram.tenant` (set per transaction) stands behind those filters as a second wall.
@@ -23,7 +24,7 @@ from ...model import Job, MemoryRecord, Scope
 from .. import records as r
 from ..base import Key, Lexical, Query
 from ..sqlstore import Run, SQLStore, SQLTx
-from . import schema, sql
+from . import bm25, schema, sql
 from .pool import Connection, Pool, translate
 
 if TYPE_CHECKING:
@@ -72,10 +73,12 @@ class PostgresStore(SQLStore):
         self._indexed: set[int] = set()  # dimensions known to have their HNSW index
         self._to_vacuum: set[str] = set()
         self._closed = False
+        self._tokenizer = bm25.Tokenizer()  # shared with the stores of other tenants (for_tenant)
         try:
             self._iterative = schema.migrate(self._transaction) >= (0, 8)  # iterative index scans
         except BaseException:
             self._pool.close()  # the caller never gets the store to close
+            self._tokenizer.close()
             raise
 
     @classmethod
@@ -177,7 +180,8 @@ class PostgresStore(SQLStore):
     def close(self) -> None:
         if not self._closed:  # each store releases its share of the pool once
             self._closed = True
-            self._pool.close()
+            if self._pool.close():  # the last store of the pool
+                self._tokenizer.close()
 
     def migrations(self) -> list[str]:
         return [row[0] for row in self._read("SELECT name FROM schema_migrations ORDER BY name")]
@@ -222,10 +226,11 @@ class PostgresStore(SQLStore):
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
-        text = sql.tsquery_text(terms)
-        if not text or k <= 0:
+        """FTS5's BM25, computed from the same tokens and statistics (see bm25.py)."""
+        phrases = bm25.phrases(self._tokenizer, terms)
+        if not phrases or k <= 0:
             return []
-        rows = self._read(*sql.lexical(self.tenant, query, text, k, previous_weight))
+        rows = self._read(*sql.lexical(self.tenant, query, phrases, k, previous_weight))
         return [(row[0], float(row[1])) for row in rows]
 
     def touch(self, ids: Sequence[str], at: datetime) -> None:
@@ -295,8 +300,13 @@ class PgTx(SQLTx):
     def _savepoint(self) -> AbstractContextManager[Any]:
         return self.conn.transaction()  # a Conflict leaves the transaction usable
 
+    def _document(self, record: MemoryRecord, lexical: Lexical) -> bm25.Document:
+        return bm25.document(self.store._tokenizer, lexical.body, lexical.previous, record.scope)
+
     def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: Lexical) -> None:
-        self._exec(*sql.insert_memory(self.tenant, record, lexical.body, lexical.previous))
+        doc = self._document(record, lexical)
+        self._exec(*sql.insert_memory(self.tenant, record, doc))
+        self._exec(*sql.count_in(self.tenant, doc))
         self._put_keys(record.id, keys)
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
@@ -324,8 +334,12 @@ class PgTx(SQLTx):
 
     def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
                lexical: Lexical | None = None) -> None:
-        text = None if lexical is None else (lexical.body, lexical.previous)
-        self._exec(*sql.update_memory(self.tenant, record, text))
+        doc = None if lexical is None else self._document(record, lexical)
+        if doc is not None:
+            self._exec(*sql.count_out(self.tenant, [record.id]))
+        self._exec(*sql.update_memory(self.tenant, record, doc))
+        if doc is not None:
+            self._exec(*sql.count_in(self.tenant, doc))
         if keys is not None:
             for key in keys:  # before the delete below takes row locks on memory_keys
                 self._ensure_index(int(np.asarray(key.vector).size))
@@ -336,7 +350,8 @@ class PgTx(SQLTx):
     def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
         if not ids:
             return
-        self._exec("UPDATE memories SET deleted_at = %s, updated_at = %s, lex = NULL "
+        self._exec(*sql.count_out(self.tenant, ids))
+        self._exec(f"UPDATE memories SET deleted_at = %s, updated_at = %s, {sql.UNINDEX} "
                    "WHERE tenant = %s AND id = ANY(%s)", (at, at, self.tenant, list(ids)))
         self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = ANY(%s)",
                    (self.tenant, list(ids)))
@@ -345,10 +360,11 @@ class PgTx(SQLTx):
         if not ids:
             return
         params = (self.tenant, list(ids))
+        self._exec(*sql.count_out(self.tenant, ids))
         self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = ANY(%s)", params)
         self._exec("DELETE FROM events WHERE tenant = %s AND memory_id = ANY(%s)", params)
         self._exec("DELETE FROM memories WHERE tenant = %s AND id = ANY(%s)", params)
-        self.erased_from |= {"memories", "memory_keys", "events"}
+        self.erased_from |= {"memories", "memory_keys", "events", "lex_terms", "lex_stats"}
 
     def erase_scope(self, scope: Scope) -> None:
         super().erase_scope(scope)
