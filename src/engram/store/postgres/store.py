@@ -188,12 +188,33 @@ class PostgresStore(SQLStore):
 
     # -- the engine-specific primitives --------------------------------------------------------
 
+    def _batch(self, statements: Sequence[tuple[str, Sequence[Any]]], *,
+               lock_timeout_ms: int | None = None, retry: bool = True) -> list[list[Any]]:
+        """The rows of each statement, run in this thread's open write if there is one, else
+        in one transaction sent at once (`Pool.batch`: one round trip)."""
+        conn: Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            return self._pool.batch(lambda c: self._setup(c, lock_timeout_ms), statements,
+                                    retry=retry)
+        try:
+            out = []
+            for stmt, params in statements:
+                cur = conn.execute(stmt, params)
+                out.append(cur.fetchall() if cur.description is not None else [])
+            return out
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        return self._batch([(sql, params)])[0]
+
     def dense(self, query: Query, vector: np.ndarray, k: int,
               key: str = "text") -> list[tuple[str, float]]:
         """Exact (a scan of the visible keys) while they number at most `exact_limit`, so small
         scopes and tests get the true top-k; beyond that the dimension's HNSW index, with
         iterative scans so that filters do not starve it, and the exact scan again if the
-        index still returns fewer than `k`."""
+        index still returns fewer than `k`. A small scope takes one statement: the count that
+        decides and the scan it allows."""
         if k <= 0:
             return []
         v = np.asarray(vector, dtype=np.float32).ravel()
@@ -202,26 +223,30 @@ class PostgresStore(SQLStore):
         where, params = r.compile_query(self.dialect, query, self.tenant)
         source = sql.dense_source(dim, where)
         sparams = [self.tenant, key, *params]
-        with self._conn() as conn:
-            use_index = False
-            if dim <= schema.MAX_INDEXED_DIM:
-                indexed, n = conn.execute(
-                    f"SELECT to_regclass(%s) IS NOT NULL, (SELECT count(*) FROM (SELECT 1 {source} "
-                    "LIMIT %s) c)", [schema.hnsw_index_name(dim), *sparams, self.exact_limit + 1]
-                ).fetchone()  # type: ignore[misc]
-                use_index = indexed and n > self.exact_limit
-            if use_index:
-                conn.execute("SELECT set_config('hnsw.ef_search', %s, true)",
-                             (str(min(1000, max(100, 2 * k))),))
-                if self._iterative:
-                    conn.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)")
-                rows = conn.execute(sql.dense_ann_sql(dim, source), [lit, *sparams, lit, 2 * k, k]).fetchall()
-                if len(rows) >= k:
-                    log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
-                    return [(row[0], float(row[1])) for row in rows]
-                log.debug("dense: the approximate query found %d of %d; exact scan", len(rows), k)
-            rows = conn.execute(sql.dense_exact_sql(source), [lit, *sparams, k]).fetchall()
-            log.debug("dense: exact scan, %d hits", len(rows))
+        exact = (sql.dense_exact_sql(source), [lit, *sparams, k])
+        if dim > schema.MAX_INDEXED_DIM:
+            rows = self._batch([exact])[0]
+        else:
+            limit = self.exact_limit
+            rows = self._batch([(sql.dense_guarded_sql(source),
+                                 [schema.hnsw_index_name(dim), *sparams, limit + 1, lit, *sparams,
+                                  limit, k])])[0]
+            (_, _, n, indexed) = rows[0]
+            if n <= limit or not indexed:
+                log.debug("dense: exact scan of %d keys", n)
+                return [(row[0], float(row[1])) for row in rows if row[0] is not None]
+            ann: list[tuple[str, Sequence[Any]]] = [
+                ("SELECT set_config('hnsw.ef_search', %s, true)", (str(min(1000, max(100, 2 * k))),))]
+            if self._iterative:
+                ann.append(("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)", ()))
+            ann.append((sql.dense_ann_sql(dim, source), [lit, *sparams, lit, 2 * k, k]))
+            rows = self._batch(ann)[-1]
+            if len(rows) >= k:
+                log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
+                return [(row[0], float(row[1])) for row in rows]
+            log.debug("dense: the approximate query found %d of %d; exact scan", len(rows), k)
+            rows = self._batch([exact])[0]
+        log.debug("dense: exact scan, %d hits", len(rows))
         return [(row[0], float(row[1])) for row in rows]
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
@@ -240,12 +265,9 @@ class PostgresStore(SQLStore):
                 "WHERE tenant = %s AND id = ANY(%s)")
         params = (at, self.tenant, sorted(set(ids)))
         try:
-            if getattr(self._local, "conn", None) is not None:
-                self._read(stmt, params)
-                return
-            # Best effort: a row locked by a writer for more than 20 ms is simply not counted.
-            with self._transaction(lock_timeout_ms=20) as conn:
-                conn.execute(stmt, params)
+            # Best effort: a row locked by a writer for more than 20 ms is simply not counted
+            # (and, sent once, never counted twice).
+            self._batch([(stmt, params)], lock_timeout_ms=20, retry=False)
         except (StoreBusy, StoreUnavailable) as exc:
             log.debug("access tracking skipped: %s", exc)
 
