@@ -2,16 +2,23 @@
 
 The lexical scores are FTS5's BM25 on every store (the embedded store computes them, the
 PostgreSQL store computes the same from the same tokens and statistics: store/postgres/bm25.py),
-so a fixed corpus has fixed scores, written here.
+so a fixed corpus has fixed scores, written here; and `Memory.search` over a small conversation
+returns the same top 5 on every store, ties broken the same way (by id: creation order).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
 import pytest
 
 from conformance.test_store import NOW, q, rec, vec
+from engram import Memory
 from engram.model import Scope
+from engram.pipeline.retrieve import RetrievalConfig
 from engram.pipeline.text import terms
+from engram.providers.embedders import MiniLM
 from engram.store import Key, Lexical, Store
 
 # -- the lexical scores themselves -------------------------------------------------------------
@@ -144,3 +151,100 @@ def test_lexical_scores_are_fts5_bm25(store: Store, corpus: dict[str, str], text
     got = _scored(store, corpus, text, scope, weight)
     assert [name for name, _ in got] == [name for name, _ in expected]
     assert [s for _, s in got] == pytest.approx([s for _, s in expected], rel=1e-12, abs=1e-300)
+
+
+# -- Memory.search end to end ----------------------------------------------------------------
+
+WHEN = datetime(2024, 5, 1, 9, 0, tzinfo=UTC)  # one time for every turn: recency favours none
+
+SESSIONS: dict[str, list[tuple[str, str]]] = {
+    "s1": [("Ana", "I started running again last week, three miles every morning."),
+           ("Ben", "Nice! Does your sister's dog still run with you?"),
+           ("Ana", "Yes, since 2019! Marta's dog loves it."),
+           ("Ben", "My co-worker ran the Lisbon half-marathon at a 3:30 pace."),
+           ("Ana", "I'd rather sit in a café with a naïve novel.")],
+    "s2": [("Ben", "We adopted a cat called Miso in March."),
+           ("Ana", "Does Miso get along with Marta's dog?"),
+           ("Ben", "Not really, the cat hates dogs."),
+           ("Ana", "Marta's dog hates cats too, and the vet says that is normal.")],
+    "s3": [("Ben", "Did you take the ferry to the island?"),
+           ("Ana", "Yes, the ferry was late.")],
+    "s4": [("Ben", "Did you take the ferry to the island?"),  # s3 again: exact ties
+           ("Ana", "Yes, the ferry was late.")],
+}
+FACTS = ["Ana is allergic to peanuts", "Ben works as a nurse in Lisbon"]
+QUERIES = ["Who runs with Ana?", "Marta's dog", "What has Ana done since 2019?",
+           "When did Ben's co-worker run the half-marathon?", "cafe and novels",
+           "Did Ana take the ferry?", "cats and dogs", "What is Ana allergic to?",
+           "Where does Ben work?", "When did they adopt the cat?"]
+PRESETS: dict[str, str | RetrievalConfig] = {
+    "bm25": RetrievalConfig("bm25", dense_weight=0.0, lexical_weight=1.0, previous_weight=0.5),
+    "hybrid": "hybrid",
+}
+
+# preset -> the top 5 of each query (session:turn, fact:index), as the embedded store ranks them
+TOP5: dict[str, list[list[str]]] = {
+    "bm25": [
+        ["s1:0", "s1:1", "s1:2", "fact:0", "s3:1"],
+        ["s1:2", "s2:3", "s2:1", "s2:2", "s1:3"],
+        ["s1:2", "s1:3", "fact:0", "s1:0", "s3:1"],
+        ["s1:3", "s1:4", "s1:0", "s1:1", "s1:2"],
+        ["s1:4"],
+        ["s3:0", "s4:0", "s3:1", "s4:1", "fact:0"],
+        ["s2:3", "s2:2", "s2:0", "s2:1", "s1:2"],
+        ["fact:0", "s1:0", "s3:1", "s4:1", "s2:1"],
+        ["fact:1", "s2:0", "s3:0", "s4:0", "s2:2"],
+        ["s2:0", "s2:1", "s2:3", "s2:2"],
+    ],
+    "hybrid": [
+        ["s1:0", "s1:2", "s1:1", "s1:4", "fact:0"],
+        ["s2:1", "s2:3", "s1:2", "s2:2", "s1:3"],
+        ["s1:2", "s1:0", "fact:0", "s1:4", "s1:3"],
+        ["s1:3", "s1:1", "s1:0", "fact:1", "s2:0"],
+        ["s1:4", "s1:3", "s1:2", "s1:1", "fact:1"],
+        ["s3:1", "s3:1", "s3:0", "s3:0", "fact:0"],
+        ["s2:2", "s2:3", "s2:0", "s2:1", "s1:2"],
+        ["fact:0", "s1:0", "s2:1", "s2:3", "s1:2"],
+        ["fact:1", "s3:0", "s3:0", "s2:2", "s2:0"],
+        ["s2:0", "s2:1", "s2:2", "s2:3", "s1:2"],
+    ],
+}
+# With the dense keys in the score, s4 is s3 again: the embedded store scores a vector against
+# the whole matrix of its scope at once (BLAS), where two equal rows may differ in the last bit
+# of a float32 depending on their place in it; PostgreSQL scores them exactly alike. Lexical
+# scores are exact on both, so the bm25 preset checks the order of exact ties.
+SAME = {"hybrid": {"s4:0": "s3:0", "s4:1": "s3:1"}, "bm25": {}}
+
+
+@pytest.fixture
+def conversation(store: Store, embedder: MiniLM) -> Iterator[tuple[Memory, dict[str, str]]]:
+    """The conversation through `Memory`, on `store`; memory id -> label ("s1:0", "fact:1")."""
+    mem = Memory(store=store, embedder=embedder)
+    labels: dict[str, str] = {}
+    for sid, turns in SESSIONS.items():
+        added = mem.add([{"role": "user", "name": who, "content": text, "observed_at": WHEN}
+                         for who, text in turns], user_id="ana", session_id=sid)
+        labels.update({m.id: f"{sid}:{i}" for i, m in enumerate(added.memories)})
+    for i, fact in enumerate(FACTS):
+        (m,) = mem.add(fact, user_id="ana", kind="semantic").memories
+        labels[m.id] = f"fact:{i}"
+    assert len(labels) == sum(map(len, SESSIONS.values())) + len(FACTS)
+    yield mem, labels
+
+
+def top5(store: Store, embedder: MiniLM, labels: dict[str, str], preset: str) -> list[list[str]]:
+    mem = Memory(store=store, embedder=embedder, retrieval=PRESETS[preset])
+    return [[labels[h.memory.id] for h in mem.search(text, user_id="ana", limit=5)]
+            for text in QUERIES]
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_memory_search_ranks_alike(store: Store, embedder: MiniLM,
+                                   conversation: tuple[Memory, dict[str, str]],
+                                   preset: str) -> None:
+    """The same top 5 on every store: lexical alone (BM25 with the previous turn) and the
+    default preset (dense keys, BM25, speaker, time and session adjustments); the turns of s3
+    and s4 tie exactly and come in creation order."""
+    _, labels = conversation
+    got = top5(store, embedder, labels, preset)
+    assert [[SAME[preset].get(label, label) for label in hits] for hits in got] == TOP5[preset]
