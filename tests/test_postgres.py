@@ -397,6 +397,40 @@ def test_dense_uses_the_hnsw_index_beyond_the_exact_limit(db: str, caplog: pytes
         store.close()
 
 
+def test_a_scope_that_grows_past_the_exact_limit_moves_to_the_index(
+        db: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A scope counted small is scanned at once the next time (counting what it scans: exact,
+    so never a wrong answer); once the scan counts more than the limit, the index answers."""
+    rng = np.random.default_rng(11)
+    vectors = rng.normal(size=(80, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    records = [rec(f"point {i}") for i in range(80)]
+    probe = vectors[3]
+    store = PostgresStore(db, exact_limit=30)
+    try:
+        def search(upto: int) -> list[str]:
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="engram.store"):
+                found = [m for m, _ in store.dense(q(), probe, 5)]
+            truth = np.argsort(-(vectors[:upto] @ probe), kind="stable")[:5]
+            assert found[0] == records[3].id
+            assert len(set(found) & {records[i].id for i in truth}) >= 4
+            return found
+
+        put(store, *records[:20], vectors=list(vectors[:20]))
+        exact = search(20)
+        assert "exact scan of 20 keys" in caplog.text
+        assert exact == [records[i].id for i in np.argsort(-(vectors[:20] @ probe))[:5]]
+        put(store, *records[20:], vectors=list(vectors[20:]))
+        exact = search(80)  # still thought small: one exact scan, which counts 80
+        assert "exact scan of a small scope" in caplog.text
+        assert exact == [records[i].id for i in np.argsort(-(vectors @ probe))[:5]]
+        search(80)
+        assert "approximate (HNSW) query" in caplog.text
+    finally:
+        store.close()
+
+
 def test_keys_of_two_dimensions_live_side_by_side(db: str) -> None:
     store = PostgresStore(db)
     try:

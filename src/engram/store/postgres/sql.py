@@ -127,6 +127,14 @@ def dense_exact_sql(source: str) -> str:
             "GROUP BY k.memory_id ORDER BY s DESC, k.memory_id LIMIT %s")
 
 
+def dense_counted_sql(source: str) -> str:
+    """`dense_exact_sql` that also counts the keys it scored (on every row); parameters: the
+    query vector, `source`'s, k."""
+    return (f"SELECT k.memory_id, max(1 - (k.vector <=> %s::vector)) AS s, "
+            f"(sum(count(*)) OVER ())::bigint AS n {source} "
+            "GROUP BY k.memory_id ORDER BY s DESC, k.memory_id LIMIT %s")
+
+
 def dense_guarded_sql(source: str) -> str:
     """`dense_exact_sql` and the count that decides whether it is the right search, in one
     statement: the exact scan runs if at most a limit of keys are visible (or the dimension has

@@ -74,6 +74,11 @@ class PostgresStore(SQLStore):
         self._to_vacuum: set[str] = set()
         self._closed = False
         self._tokenizer = bm25.Tokenizer()  # shared with the stores of other tenants (for_tenant)
+        # Dense searches whose last count of visible keys was at most `exact_limit` (by tenant,
+        # query but its time, key, dimension): the next one scans at once. Only a hint: an
+        # exact scan is never a wrong answer, and it counts what it scans.
+        self._small: dict[tuple[Any, ...], bool] = {}
+        self._vector: tuple[bytes, str] = (b"", "")  # the last query vector and its literal
         try:
             self._iterative = schema.migrate(self._transaction) >= (0, 8)  # iterative index scans
         except BaseException:
@@ -213,41 +218,62 @@ class PostgresStore(SQLStore):
         """Exact (a scan of the visible keys) while they number at most `exact_limit`, so small
         scopes and tests get the true top-k; beyond that the dimension's HNSW index, with
         iterative scans so that filters do not starve it, and the exact scan again if the
-        index still returns fewer than `k`. A small scope takes one statement: the count that
-        decides and the scan it allows."""
+        index still returns fewer than `k`. One statement for a small scope: the count that
+        decides and the scan it allows, or, once the scope is known to be small, the scan
+        counting what it scores."""
         if k <= 0:
             return []
         v = np.asarray(vector, dtype=np.float32).ravel()
         dim = int(v.shape[0])
-        lit = sql.vector_literal(v)
+        lit = self._literal(v)
         where, params = r.compile_query(self.dialect, query, self.tenant)
         source = sql.dense_source(dim, where)
         sparams = [self.tenant, key, *params]
         exact = (sql.dense_exact_sql(source), [lit, *sparams, k])
+        limit = self.exact_limit
         if dim > schema.MAX_INDEXED_DIM:
             rows = self._batch([exact])[0]
-        else:
-            limit = self.exact_limit
-            rows = self._batch([(sql.dense_guarded_sql(source),
-                                 [schema.hnsw_index_name(dim), *sparams, limit + 1, lit, *sparams,
-                                  limit, k])])[0]
-            (_, _, n, indexed) = rows[0]
-            if n <= limit or not indexed:
-                log.debug("dense: exact scan of %d keys", n)
-                return [(row[0], float(row[1])) for row in rows if row[0] is not None]
-            ann: list[tuple[str, Sequence[Any]]] = [
-                ("SELECT set_config('hnsw.ef_search', %s, true)", (str(min(1000, max(100, 2 * k))),))]
-            if self._iterative:
-                ann.append(("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)", ()))
-            ann.append((sql.dense_ann_sql(dim, source), [lit, *sparams, lit, 2 * k, k]))
-            rows = self._batch(ann)[-1]
-            if len(rows) >= k:
-                log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
-                return [(row[0], float(row[1])) for row in rows]
-            log.debug("dense: the approximate query found %d of %d; exact scan", len(rows), k)
-            rows = self._batch([exact])[0]
-        log.debug("dense: exact scan, %d hits", len(rows))
+            log.debug("dense: exact scan (no index for %d dimensions), %d hits", dim, len(rows))
+            return [(row[0], float(row[1])) for row in rows]
+        shape = _shape(self.tenant, query, key, dim)
+        if shape is not None and self._small.get(shape):
+            rows = self._batch([(sql.dense_counted_sql(source), [lit, *sparams, k])])[0]
+            if rows and rows[0][2] > limit:
+                self._small[shape] = False  # it grew: the next search counts first
+            log.debug("dense: exact scan of a small scope, %d hits", len(rows))
+            return [(row[0], float(row[1])) for row in rows]
+        rows = self._batch([(sql.dense_guarded_sql(source),
+                             [schema.hnsw_index_name(dim), *sparams, limit + 1, lit, *sparams,
+                              limit, k])])[0]
+        (_, _, n, indexed) = rows[0]
+        if shape is not None:
+            if len(self._small) > 4096:
+                self._small.clear()
+            self._small[shape] = n <= limit
+        if n <= limit or not indexed:
+            log.debug("dense: exact scan of %d keys", n)
+            return [(row[0], float(row[1])) for row in rows if row[0] is not None]
+        ann: list[tuple[str, Sequence[Any]]] = [
+            ("SELECT set_config('hnsw.ef_search', %s, true)", (str(min(1000, max(100, 2 * k))),))]
+        if self._iterative:
+            ann.append(("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)", ()))
+        ann.append((sql.dense_ann_sql(dim, source), [lit, *sparams, lit, 2 * k, k]))
+        rows = self._batch(ann)[-1]
+        if len(rows) >= k:
+            log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
+            return [(row[0], float(row[1])) for row in rows]
+        log.debug("dense: the approximate query found %d of %d; exact scan", len(rows), k)
+        rows = self._batch([exact])[0]
         return [(row[0], float(row[1])) for row in rows]
+
+    def _literal(self, v: np.ndarray) -> str:
+        """The vector's literal; a search asks for its text, window and fact keys with one
+        vector, made into text once."""
+        raw = v.tobytes()
+        last = self._vector
+        if last[0] != raw:
+            last = self._vector = (raw, sql.vector_literal(v))
+        return last[1]
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
@@ -300,6 +326,16 @@ class PostgresStore(SQLStore):
             self._pool.release(conn)
         for notice in skipped:
             log.warning("reclaim: %s", notice.message_primary)
+
+
+def _shape(tenant: str, query: Query, key: str, dim: int) -> tuple[Any, ...] | None:
+    """What the number of keys a dense search sees depends on, but time; None if unhashable."""
+    shape = (tenant, query.scope, query.kinds, query.conditions, query.as_of is None, key, dim)
+    try:
+        hash(shape)
+    except TypeError:
+        return None
+    return shape
 
 
 class PgTx(SQLTx):
