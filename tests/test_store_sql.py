@@ -12,10 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engram.filters import parse_filters
-from engram.model import Job, JobStatus, Kind, Scope, Session
+from engram.model import Job, JobStatus, Kind, MemoryRecord, Scope, Session
 from engram.store import Query, Seen, Select
 from engram.store import records as r
+from engram.store.postgres import bm25
 from engram.store.postgres import sql as pg
+from engram.store.sqlite import schema as lite_schema
 from engram.store.sqlite import sql as lite
 
 NOW = datetime(2025, 6, 1, tzinfo=UTC)
@@ -114,3 +116,63 @@ def test_the_visibility_rule_as_sqlite_renders_it() -> None:
 def test_a_read_with_time_bounds_needs_now() -> None:
     with pytest.raises(ValueError, match="needs `now`"):
         r.select_memories(lite.DIALECT, Select(seen=Seen.VISIBLE), "")
+
+
+# -- the PostgreSQL lexical index (store/postgres/bm25.py) ------------------------------------
+
+tokens = st.sampled_from(["marta", "s", "dog", "o'x", "a\\b", "ü"])
+phrase_lists = st.lists(st.lists(tokens, min_size=1, max_size=3).map(tuple), min_size=1, max_size=6)
+
+
+@given(scope=scopes, phrases=phrase_lists, weight=st.sampled_from([0.0, 0.5, 2.0]))
+def test_the_bm25_search_binds_exactly_its_parameters(scope: Scope, phrases: list[tuple[str, ...]],
+                                                      weight: float) -> None:
+    sql, params = pg.lexical("tenant-1", Query(scope, NOW), phrases, 7, weight)
+    assert placeholders(pg.DIALECT, sql) == len(params)
+    # every table it reads is read within the tenant
+    reads = len(re.findall(r"FROM (memories|lex_stats|lex_terms) \w+", sql))
+    assert sql.count("tenant = %s") == params.count("tenant-1") == reads
+    assert params[-1] == 7 and weight in params
+
+
+def test_the_lexical_index_statements_bind_exactly_their_parameters() -> None:
+    tokenizer = bm25.Tokenizer()
+    try:
+        doc = bm25.document(tokenizer, "Marta's dog", "Did it run?", Scope("u", None, "s"))
+    finally:
+        tokenizer.close()
+    rec = MemoryRecord(id="m", scope=Scope("u"), kind=Kind.EPISODIC, text="x", metadata={},
+                       importance=0.5, created_at=NOW, updated_at=NOW, content_hash="h")
+    for sql, params in (pg.insert_memory("t", rec, doc), pg.update_memory("t", rec, doc),
+                        pg.update_memory("t", rec, None), pg.count_in("t", doc),
+                        pg.count_out("t", ["m", "n"])):
+        assert placeholders(pg.DIALECT, sql) == len(params), sql
+        assert "t" in params
+
+
+def test_the_tokens_are_the_sqlite_index_tokens() -> None:
+    """The PostgreSQL store tokenises with the SQLite index's own tokenizer, configured alike."""
+    ddl = " ".join(s for _, stmts in lite_schema.MIGRATIONS for s in stmts if "memory_fts" in s)
+    assert f"tokenize='{bm25.TOKENIZE}'" in ddl
+    tokenizer = bm25.Tokenizer()
+    try:
+        # possessives and hyphens are phrases; numbers split at punctuation; diacritics and
+        # case fold; Porter stems
+        assert [tokenizer.phrase(t) for t in ("caroline's", "co-worker", "3:30", "CAFÉ", "running")] \
+            == [("carolin", "s"), ("co", "worker"), ("3", "30"), ("cafe",), ("run",)]
+        assert tokenizer.phrase("...") == ()
+        doc = bm25.document(tokenizer, "Ana: Marta's dog, the dog", "Yes?", Scope("u", None, "s"))
+        # stop words stay (they count in the length), as do the two scope tokens SQLite adds
+        assert doc.body == "<ana><marta><s><dog><the><dog>" and doc.context == "<ye>"
+        assert doc.length == 6 + 1 + 2
+        assert doc.terms == sorted({"ana", "marta", "s", "dog", "the", "ye", "ana marta",
+                                    "marta s", "s dog", "dog the", "the dog"})
+    finally:
+        tokenizer.close()
+
+
+def test_phrases_that_overlap_themselves() -> None:
+    assert bm25.overlaps_itself(("s", "s")) and bm25.overlaps_itself(("a", "b", "a"))
+    assert not bm25.overlaps_itself(("marta", "s")) and not bm25.overlaps_itself(("s",))
+    assert bm25.keys(("o", "neil", "s")) == ["o neil", "neil s"] and bm25.keys(("dog",)) == ["dog"]
+    assert bm25.idf(10, 9) == bm25.MIN_IDF and bm25.idf(10, 1) > 1

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import psycopg
@@ -18,6 +18,7 @@ from psycopg.pq import TransactionStatus
 from ...errors import EngramError, InvalidInput, StoreBusy, StoreError, StoreUnavailable
 
 Connection = psycopg.Connection[Any]
+Stmt = tuple[str, Sequence[Any]]
 
 
 def translate(exc: psycopg.Error) -> EngramError:
@@ -149,11 +150,52 @@ class Pool:
         finally:
             self.release(conn)
 
-    def close(self) -> None:
-        """Called once by each user of the pool; the last one closes the connections."""
+    def batch(self, setup: Callable[[Connection], object], statements: Sequence[Stmt], *,
+              retry: bool = True) -> list[list[Any]]:
+        """Run `statements` in one fresh transaction (after `setup`), all sent at once in
+        pipeline mode with the BEGIN and the COMMIT: one round trip to the server instead of
+        one per statement. Returns the rows of each (none for a statement without any).
+
+        `retry`: the statements may run twice (reads): a connection found dead (the server
+        restarted) is replaced and the batch sent once more. Database errors leave as engram
+        errors (`translate`)."""
+        for attempt in (0, 1):
+            conn = self.acquire()
+            try:
+                with conn.pipeline():
+                    conn.execute("BEGIN")
+                    setup(conn)
+                    cursors = [conn.execute(sql, params) for sql, params in statements]
+                    conn.execute("COMMIT")
+                rows = [cur.fetchall() if cur.description is not None else [] for cur in cursors]
+            except psycopg.Error as exc:
+                dead = conn.closed or conn.broken
+                self._abandon(conn)
+                if dead and retry and attempt == 0:
+                    self.drop_idle()  # the server probably restarted: so are the others
+                    continue
+                raise translate(exc) from exc
+            except BaseException:
+                self._abandon(conn)
+                raise
+            self.release(conn)
+            return rows
+        raise AssertionError("unreachable")
+
+    def _abandon(self, conn: Connection) -> None:
+        """Give back a connection whose batch failed: rolled back if it can be, else closed."""
+        if not (conn.closed or conn.broken) and conn.info.transaction_status != TransactionStatus.IDLE:
+            with suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+        self.release(conn)
+
+    def close(self) -> bool:
+        """Called once by each user of the pool; the last one closes the connections (and
+        learns so: True)."""
         with self._cond:
             self._users -= 1
             if self._users > 0:
-                return
+                return False
             self._closed = True
         self.drop_idle()
+        return True

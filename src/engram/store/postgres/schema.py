@@ -1,6 +1,9 @@
 """The PostgreSQL schema: named migrations (applied in order, each in its own transaction under
 an advisory lock, so concurrent openers migrate once), row-level security per tenant, and the
-HNSW index each vector dimension gets at its first insert."""
+HNSW index each vector dimension gets at its first insert.
+
+A migration is a list of SQL statements and, where data must be rewritten by Python, of
+functions called with the migration's connection."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from contextlib import AbstractContextManager
 from psycopg import errors as pgerr
 
 from ...errors import StoreError
+from ...model import Scope
+from . import bm25
 from .pool import Connection
 
 log = logging.getLogger("engram.store")
@@ -20,11 +25,14 @@ _MIGRATION_LOCK = 0x656E6772  # pg_advisory_xact_lock key: one migrator at a tim
 # Identifiers, hashes and scope fields compare byte-wise, as in SQLite (BINARY): paging by id
 # must follow UUIDv7 order whatever the database's default collation is.
 TEXT = 'text COLLATE "C"'
-TS_CONFIG = "english"  # the text search configuration of `memories.lex` (stemming, stop words)
 MAX_INDEXED_DIM = 2000  # pgvector's HNSW limit for `vector`; wider keys are searched exactly
 
 # Tables whose rows belong to a tenant: each gets the tenant policy below.
-TENANT_TABLES = ("memories", "memory_keys", "events", "meta", "jobs", "sessions")
+TENANT_TABLES = ("memories", "memory_keys", "events", "meta", "jobs", "sessions", "lex_stats",
+                 "lex_terms")
+_TENANT_TABLES_0001 = ("memories", "memory_keys", "events", "meta", "jobs", "sessions")
+
+Step = str | Callable[[Connection], None]  # a statement, or a function that rewrites data
 
 
 def _tenant_policy(table: str) -> list[str]:
@@ -40,9 +48,44 @@ def _tenant_policy(table: str) -> list[str]:
     ]
 
 
+def _reindex_0001(conn: Connection) -> None:
+    """Give the rows indexed by 0001 (an `english` tsvector with ts_rank weights) the index of
+    0002 (see bm25.py), from their lexical document as engram 0.1 wrote it: the text after its
+    speaker's name, and for an episode the previous live episode of its exact scope (by time,
+    then insertion) as context. Every tenant's rows: row-level security is off meanwhile."""
+    speaker = "CASE WHEN m.name IS NULL OR m.name = '' THEN m.text ELSE m.name || ': ' || m.text END"
+    tokenizer = bm25.Tokenizer()
+    try:
+        with conn.cursor(name="engram_reindex_0001") as rows:
+            rows.itersize = 500
+            rows.execute(
+                f"SELECT m.tenant, m.id, m.user_id, m.agent_id, m.session_id, {speaker}, "
+                f"CASE WHEN m.kind = 'episodic' THEN lag({speaker}) OVER (PARTITION BY m.tenant, "
+                "m.user_id, m.agent_id, m.session_id, m.kind = 'episodic' "
+                "ORDER BY m.valid_from NULLS FIRST, m.seq) END "
+                "FROM memories m WHERE m.deleted_at IS NULL AND m.lex IS NOT NULL")
+            batch: list[tuple[object, ...]] = []
+            for tenant, mid, uid, aid, sid, body, previous in rows:
+                doc = bm25.document(tokenizer, body, previous or "", Scope(uid, aid, sid))
+                batch.append((doc.terms, doc.body, doc.context, doc.length, tenant, mid))
+                if len(batch) >= 500:
+                    _set_lex(conn, batch)
+                    batch = []
+            _set_lex(conn, batch)
+    finally:
+        tokenizer.close()
+
+
+def _set_lex(conn: Connection, batch: list[tuple[object, ...]]) -> None:
+    if batch:
+        with conn.cursor() as cur:
+            cur.executemany("UPDATE memories SET lex = array_to_tsvector(%s::text[]), lex_body = %s, "
+                            "lex_context = %s, lex_len = %s WHERE tenant = %s AND id = %s", batch)
+
+
 # Named migrations, applied in order, each in its own transaction under an advisory lock.
 # Never edit a released one: append a new one.
-MIGRATIONS: list[tuple[str, list[str]]] = [
+MIGRATIONS: list[tuple[str, list[Step]]] = [
     ("0001_initial", [
         "CREATE EXTENSION IF NOT EXISTS vector",
         f"""CREATE TABLE memories (
@@ -130,7 +173,31 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             ended_at timestamptz,
             PRIMARY KEY (tenant, scope_key))""",
         "CREATE INDEX sessions_user ON sessions (tenant, user_id, updated_at)",
-        *[stmt for table in TENANT_TABLES for stmt in _tenant_policy(table)],
+        *[stmt for table in _TENANT_TABLES_0001 for stmt in _tenant_policy(table)],
+    ]),
+    # Lexical search ranks as on SQLite: FTS5's tokens and BM25 statistics (see bm25.py).
+    ("0002_bm25", [
+        "ALTER TABLE memories ADD COLUMN lex_body text, ADD COLUMN lex_context text, "
+        "ADD COLUMN lex_len integer",
+        f"""CREATE TABLE lex_stats (
+            tenant {TEXT} PRIMARY KEY,
+            rows bigint NOT NULL,
+            tokens bigint NOT NULL)""",
+        f"""CREATE TABLE lex_terms (
+            tenant {TEXT} NOT NULL,
+            term {TEXT} NOT NULL,
+            df bigint NOT NULL,
+            PRIMARY KEY (tenant, term))""",
+        "ALTER TABLE memories NO FORCE ROW LEVEL SECURITY",  # the owner re-indexes every tenant
+        _reindex_0001,
+        "INSERT INTO lex_stats (tenant, rows, tokens) SELECT tenant, count(*), sum(lex_len) "
+        "FROM memories WHERE lex IS NOT NULL GROUP BY tenant",
+        "INSERT INTO lex_terms (tenant, term, df) SELECT m.tenant, t, count(*) "
+        "FROM memories m, unnest(tsvector_to_array(m.lex)) t WHERE m.lex IS NOT NULL "
+        "GROUP BY m.tenant, t",
+        "ALTER TABLE memories FORCE ROW LEVEL SECURITY",
+        *_tenant_policy("lex_stats"),
+        *_tenant_policy("lex_terms"),
     ]),
 ]
 
@@ -166,7 +233,10 @@ def migrate(transaction: Callable[[], AbstractContextManager[Connection]]) -> tu
                 continue  # another process applied it while we waited for the lock
             for stmt in statements:
                 try:
-                    conn.execute(stmt)
+                    if isinstance(stmt, str):
+                        conn.execute(stmt)
+                    else:
+                        stmt(conn)
                 except pgerr.InsufficientPrivilege as exc:
                     raise StoreError(
                         f"migration {name} needs a privilege this role lacks ({exc}); pgvector "

@@ -1,6 +1,7 @@
 """The PostgreSQL backend's SQL, built without I/O (tested without a database): its dialect
 (times as timestamptz, JSON as json / jsonb, lists as arrays, a tenant on every row), typed
-filter conditions, the text search query, and the dense search over pgvector."""
+filter conditions, the lexical index and its BM25 search (see bm25.py), and the dense search
+over pgvector."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from ...filters import Condition
 from ...model import MemoryRecord
 from .. import records as r
 from ..base import Query
-from .schema import TS_CONFIG
+from . import bm25
+from .bm25 import Document, Phrase
 
 # The SQL type family of each record field a filter may name (filters.RECORD_FIELDS).
 _FIELD_TYPES = {
@@ -30,15 +32,6 @@ _MISMATCH = object()  # a filter value of a type the column can never equal
 def vector_literal(vector: Any) -> str:
     """pgvector's text form; float32 values printed exactly (as doubles) so they round-trip."""
     return "[" + ",".join(repr(float(x)) for x in vector) + "]"
-
-
-def tsquery_text(terms: Sequence[str]) -> str:
-    """`to_tsquery` input matching ANY of the terms, each a quoted (so inert) value.
-
-    Inside quotes, `'` is doubled and `\\` escaped; operators and parentheses are then data,
-    and the text search parser turns each term into lexemes (stemmed, stop words dropped)."""
-    quoted = ["'" + t.replace("\\", "\\\\").replace("'", "''") + "'" for t in terms if t.strip()]
-    return " | ".join(quoted)
 
 
 def condition_sql(c: Condition) -> tuple[str, list[Any]]:
@@ -134,6 +127,28 @@ def dense_exact_sql(source: str) -> str:
             "GROUP BY k.memory_id ORDER BY s DESC, k.memory_id LIMIT %s")
 
 
+def dense_counted_sql(source: str) -> str:
+    """`dense_exact_sql` that also counts the keys it scored (on every row); parameters: the
+    query vector, `source`'s, k."""
+    return (f"SELECT k.memory_id, max(1 - (k.vector <=> %s::vector)) AS s, "
+            f"(sum(count(*)) OVER ())::bigint AS n {source} "
+            "GROUP BY k.memory_id ORDER BY s DESC, k.memory_id LIMIT %s")
+
+
+def dense_guarded_sql(source: str) -> str:
+    """`dense_exact_sql` and the count that decides whether it is the right search, in one
+    statement: the exact scan runs if at most a limit of keys are visible (or the dimension has
+    no index); rows (memory_id, score, keys counted up to the limit + 1, index exists), or one
+    row (NULL, NULL, count, index exists) if it did not run or found nothing. Parameters: the
+    index name, `source`'s, the limit + 1, the query vector, `source`'s, the limit, k."""
+    return ("WITH n AS MATERIALIZED (SELECT to_regclass(%s) IS NOT NULL AS indexed, "
+            f"(SELECT count(*) FROM (SELECT 1 {source} LIMIT %s) c) AS n) "
+            "SELECT e.memory_id, e.s, n.n, n.indexed FROM n LEFT JOIN LATERAL "
+            f"(SELECT k.memory_id, max(1 - (k.vector <=> %s::vector)) AS s {source} "
+            "AND (n.n <= %s OR NOT n.indexed) GROUP BY k.memory_id "
+            "ORDER BY s DESC, k.memory_id LIMIT %s) e ON TRUE ORDER BY e.s DESC, e.memory_id")
+
+
 def dense_ann_sql(dim: int, source: str) -> str:
     """The nearest keys by the dimension's HNSW index (the ORDER BY matches its expression);
     parameters: the query vector, `source`'s, the query vector again, the pool size, k.
@@ -156,37 +171,149 @@ DIALECT = r.Dialect(
     read_json=lambda v: v, array=list, read_array=lambda v: v, condition=condition_sql,
 )
 
-# The lexical index of a memory: its body (weight A) and the previous turn (weight B).
-LEX = (f"setweight(to_tsvector('{TS_CONFIG}', %s), 'A') || "
-       f"setweight(to_tsvector('{TS_CONFIG}', %s), 'B')")
+# -- memory rows and their lexical index (see bm25.py) -------------------------------------------
+
+LEX_COLUMNS = ("lex", "lex_body", "lex_context", "lex_len")
+LEX_VALUES = "array_to_tsvector(%s::text[]), %s, %s, %s"
 
 
-def insert_memory(tenant: str, rec: MemoryRecord, body: str, previous: str) -> r.Stmt:
-    names = ", ".join(["tenant", *r.MEMORY_COLUMNS, "lex"])
-    return (f"INSERT INTO memories ({names}) VALUES ({DIALECT.marks(len(r.MEMORY_COLUMNS) + 1)}, {LEX})",
-            [tenant, *r.memory_values(DIALECT, rec), body, previous])
+def _lex_values(doc: Document) -> list[Any]:
+    return [doc.terms, doc.body, doc.context, doc.length]
 
 
-def update_memory(tenant: str, rec: MemoryRecord, lexical: tuple[str, str] | None) -> r.Stmt:
+def insert_memory(tenant: str, rec: MemoryRecord, doc: Document) -> r.Stmt:
+    names = ", ".join(["tenant", *r.MEMORY_COLUMNS, *LEX_COLUMNS])
+    return (f"INSERT INTO memories ({names}) "
+            f"VALUES ({DIALECT.marks(len(r.MEMORY_COLUMNS) + 1)}, {LEX_VALUES})",
+            [tenant, *r.memory_values(DIALECT, rec), *_lex_values(doc)])
+
+
+def update_memory(tenant: str, rec: MemoryRecord, doc: Document | None) -> r.Stmt:
     sets = ", ".join(f"{c} = %s" for c in r.MEMORY_COLUMNS[1:])
     params = r.memory_values(DIALECT, rec)[1:]
-    if lexical is not None:
-        sets += f", lex = {LEX}"
-        params += list(lexical)
+    if doc is not None:
+        sets += ", lex = array_to_tsvector(%s::text[]), lex_body = %s, lex_context = %s, lex_len = %s"
+        params += _lex_values(doc)
     return f"UPDATE memories SET {sets} WHERE tenant = %s AND id = %s", [*params, tenant, rec.id]
 
 
-def lexical(tenant: str, query: Query, text: str, k: int, previous_weight: float) -> r.Stmt:
-    """`ts_rank` over the body and (weighted by `previous_weight`) the previous turn."""
-    # ts_rank takes weights in [0, 1] ({D, C, B, A}): scale both down, and the rank back up.
-    cw = max(0.0, float(previous_weight))
-    scale = max(1.0, cw)
-    weights = [0.0, 0.0, cw / scale, 1.0 / scale]
-    where, params = r.compile_query(DIALECT, query, tenant)
-    return ("SELECT m.id, ts_rank(%s::real[], m.lex, tq, 1) * %s AS s "
-            f"FROM memories m, to_tsquery('{TS_CONFIG}', %s) tq "
-            f"WHERE {where} AND m.lex @@ tq ORDER BY s DESC, m.id LIMIT %s",
-            [weights, scale, text, *params, k])
+UNINDEX = "lex = NULL, lex_body = NULL, lex_context = NULL, lex_len = NULL"
+
+
+def count_in(tenant: str, doc: Document) -> r.Stmt:
+    """Add a newly indexed row to the tenant's statistics: one more row, its length, and one
+    more row for each of its tokens."""
+    return ("WITH s AS (INSERT INTO lex_stats (tenant, rows, tokens) VALUES (%s, 1, %s) "
+            "ON CONFLICT (tenant) DO UPDATE SET rows = lex_stats.rows + 1, "
+            "tokens = lex_stats.tokens + excluded.tokens) "
+            "INSERT INTO lex_terms (tenant, term, df) SELECT %s, t, 1 FROM unnest(%s::text[]) t "
+            "ON CONFLICT (tenant, term) DO UPDATE SET df = lex_terms.df + 1",
+            [tenant, doc.length, tenant, doc.terms])
+
+
+def count_out(tenant: str, ids: Sequence[str]) -> r.Stmt:
+    """Take rows out of the tenant's statistics, before they lose their index (deleted,
+    erased, re-indexed). A token no row holds any more leaves `lex_terms`: an erased word
+    leaves no trace there."""
+    return ("WITH old AS (SELECT m.lex, m.lex_len FROM memories m "
+            "WHERE m.tenant = %s AND m.id = ANY(%s) AND m.lex IS NOT NULL), "
+            "terms AS (SELECT t AS term, count(*) AS n FROM old, unnest(tsvector_to_array(old.lex)) t "
+            "GROUP BY t), "
+            "stats AS (UPDATE lex_stats s SET rows = s.rows - o.n, tokens = s.tokens - o.len "
+            "FROM (SELECT count(*) AS n, coalesce(sum(lex_len), 0) AS len FROM old) o "
+            "WHERE s.tenant = %s AND o.n > 0), "
+            "gone AS (DELETE FROM lex_terms d USING terms "
+            "WHERE d.tenant = %s AND d.term = terms.term AND d.df <= terms.n) "
+            "UPDATE lex_terms u SET df = u.df - terms.n FROM terms "
+            "WHERE u.tenant = %s AND u.term = terms.term AND u.df > terms.n",
+            [tenant, list(ids), tenant, tenant, tenant])
+
+
+def _lexeme(token: str) -> str:
+    """A token as a quoted tsquery lexeme: data, never operators."""
+    return "'" + token.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def tsquery(phrases: Sequence[Phrase]) -> str:
+    """The rows that may hold any of the phrases: those with every key term of one of them
+    (exact for a phrase of one or two tokens; longer ones are checked when counted)."""
+    return " | ".join("(" + " & ".join(_lexeme(t) for t in dict.fromkeys(bm25.keys(p))) + ")"
+                      for p in phrases)
+
+
+def _regex(phrase: Phrase) -> str:
+    """`<a>(?=<b><a>)`: each occurrence of the phrase, overlapping ones too (the match takes
+    only the first token, the lookahead checks the rest)."""
+    def esc(token: str) -> str:
+        return "".join(ch if ch.isalnum() else "\\" + ch for ch in token)
+    first, *rest = phrase
+    return f"<{esc(first)}>(?=" + "".join(f"<{esc(t)}>" for t in rest) + ")"
+
+
+def _occurrences(column: str, phrase: Phrase) -> tuple[str, list[Any]]:
+    """How often `phrase` occurs in a tagged column, as a float8 expression."""
+    if bm25.overlaps_itself(phrase):
+        return (f"(SELECT count(*) FROM regexp_matches({column}, %s, 'g'))::float8",
+                [_regex(phrase)])
+    pat = bm25.tagged(phrase)  # replace() returns its input untouched when the phrase is absent
+    return (f"((octet_length({column}) - octet_length(replace({column}, %s, ''))) / %s::float8)",
+            [pat, float(len(pat.encode("utf-8")))])
+
+
+def _float(x: float) -> str:
+    return f"{x!r}::float8"  # repr: the exact double
+
+
+def lexical(tenant: str, query: Query, phrases: Sequence[Phrase], k: int,
+            previous_weight: float) -> r.Stmt:
+    """The `k` visible rows best by FTS5's BM25 (see bm25.py) that hold any of `phrases`, each
+    phrase scored once per time it is given; ties by id. One statement, so the statistics and
+    the rows are of one snapshot. The tsquery finds the rows with the key terms of a phrase
+    (exact for one or two tokens); a row where a longer phrase's pairs are not in order
+    is then left out."""
+    distinct = list(dict.fromkeys(phrases))
+    slot = {p: i for i, p in enumerate(distinct)}
+    hits, hparams = [], []  # rows of the tenant holding each phrase
+    for i, p in enumerate(distinct):
+        if len(p) <= 2:
+            hits.append(f"coalesce((SELECT t.df FROM lex_terms t WHERE t.tenant = %s "
+                        f"AND t.term = %s), 0)::float8 AS d{i}")
+            hparams += [tenant, bm25.keys(p)[0]]
+        else:
+            pat = bm25.tagged(p)
+            hits.append("(SELECT count(*) FROM memories x WHERE x.tenant = %s AND x.lex @@ %s::tsquery "
+                        f"AND (strpos(x.lex_body, %s) > 0 OR strpos(x.lex_context, %s) > 0))::float8 AS d{i}")
+            hparams += [tenant, tsquery([p]), pat, pat]
+    half, floor = _float(0.5), _float(bm25.MIN_IDF)
+    idfs = [f"CASE WHEN ln((c.n - c.d{i} + {half}) / (c.d{i} + {half})) > 0 "
+            f"THEN ln((c.n - c.d{i} + {half}) / (c.d{i} + {half})) ELSE {floor} END AS i{i}"
+            for i in range(len(distinct))]
+    counts, cparams = [], []  # occurrences of each phrase in the text and the previous turn
+    for i, p in enumerate(distinct):
+        for col, name in (("m.lex_body", "b"), ("m.lex_context", "c")):
+            expr, params = _occurrences(col, p)
+            counts.append(f"{expr} AS {name}{i}")
+            cparams += params
+    # fts5_aux.c: idf * (f * (k1 + 1)) / (f + k1 * (1 - b + b * D / avgdl)), summed in order,
+    # f = occurrences weighted by column
+    k1p1, k1, omb, b = (_float(v) for v in (bm25.K1 + 1.0, bm25.K1, 1 - bm25.B, bm25.B))
+    norm = f"{k1} * ({omb} + {b} * x.len / w.avgdl)"
+
+    def term(i: int) -> str:
+        f = f"(x.b{i} + w.pw * x.c{i})"
+        return f"w.i{i} * (({f} * {k1p1}) / ({f} + {norm}))"
+
+    score = " + ".join(term(slot[p]) for p in phrases)
+    found = " OR ".join(f"x.b{i} > 0 OR x.c{i} > 0" for i in range(len(distinct)))
+    where, wparams = r.compile_query(DIALECT, query, tenant)
+    sql = (f"WITH c AS MATERIALIZED (SELECT s.rows::float8 AS n, s.tokens::float8 / s.rows AS avgdl, "
+           f"{', '.join(hits)} FROM lex_stats s WHERE s.tenant = %s AND s.rows > 0), "
+           f"w AS MATERIALIZED (SELECT c.avgdl, %s::float8 AS pw, {', '.join(idfs)} FROM c) "
+           f"SELECT x.id, {score} AS s FROM w, "
+           f"(SELECT m.id, m.lex_len AS len, {', '.join(counts)} FROM memories m "
+           f"WHERE {where} AND m.lex @@ %s::tsquery OFFSET 0) x "
+           f"WHERE {found} ORDER BY s DESC, x.id LIMIT %s")
+    return sql, [*hparams, tenant, float(previous_weight), *cparams, *wparams, tsquery(distinct), k]
 
 
 def claim_job(tenant: str, now: datetime, lease_until: datetime) -> r.Stmt:

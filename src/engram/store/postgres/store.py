@@ -1,4 +1,5 @@
-"""The scale-out store: PostgreSQL with pgvector (HNSW, cosine) and full-text search.
+"""The scale-out store: PostgreSQL with pgvector (HNSW, cosine) and a BM25 lexical index that
+ranks as the embedded store's FTS5 does (bm25.py).
 
 Every row carries its tenant and every query filters on it inside the SQL; row-level security
 on `engram.tenant` (set per transaction) stands behind those filters as a second wall.
@@ -23,7 +24,7 @@ from ...model import Job, MemoryRecord, Scope
 from .. import records as r
 from ..base import Key, Lexical, Query
 from ..sqlstore import Run, SQLStore, SQLTx
-from . import schema, sql
+from . import bm25, schema, sql
 from .pool import Connection, Pool, translate
 
 if TYPE_CHECKING:
@@ -72,10 +73,17 @@ class PostgresStore(SQLStore):
         self._indexed: set[int] = set()  # dimensions known to have their HNSW index
         self._to_vacuum: set[str] = set()
         self._closed = False
+        self._tokenizer = bm25.Tokenizer()  # shared with the stores of other tenants (for_tenant)
+        # Dense searches whose last count of visible keys was at most `exact_limit` (by tenant,
+        # query but its time, key, dimension): the next one scans at once. Only a hint: an
+        # exact scan is never a wrong answer, and it counts what it scans.
+        self._small: dict[tuple[Any, ...], bool] = {}
+        self._vector: tuple[bytes, str] = (b"", "")  # the last query vector and its literal
         try:
             self._iterative = schema.migrate(self._transaction) >= (0, 8)  # iterative index scans
         except BaseException:
             self._pool.close()  # the caller never gets the store to close
+            self._tokenizer.close()
             raise
 
     @classmethod
@@ -177,55 +185,103 @@ class PostgresStore(SQLStore):
     def close(self) -> None:
         if not self._closed:  # each store releases its share of the pool once
             self._closed = True
-            self._pool.close()
+            if self._pool.close():  # the last store of the pool
+                self._tokenizer.close()
 
     def migrations(self) -> list[str]:
         return [row[0] for row in self._read("SELECT name FROM schema_migrations ORDER BY name")]
 
     # -- the engine-specific primitives --------------------------------------------------------
 
+    def _batch(self, statements: Sequence[tuple[str, Sequence[Any]]], *,
+               lock_timeout_ms: int | None = None, retry: bool = True) -> list[list[Any]]:
+        """The rows of each statement, run in this thread's open write if there is one, else
+        in one transaction sent at once (`Pool.batch`: one round trip)."""
+        conn: Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            return self._pool.batch(lambda c: self._setup(c, lock_timeout_ms), statements,
+                                    retry=retry)
+        try:
+            out = []
+            for stmt, params in statements:
+                cur = conn.execute(stmt, params)
+                out.append(cur.fetchall() if cur.description is not None else [])
+            return out
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        return self._batch([(sql, params)])[0]
+
     def dense(self, query: Query, vector: np.ndarray, k: int,
               key: str = "text") -> list[tuple[str, float]]:
         """Exact (a scan of the visible keys) while they number at most `exact_limit`, so small
         scopes and tests get the true top-k; beyond that the dimension's HNSW index, with
         iterative scans so that filters do not starve it, and the exact scan again if the
-        index still returns fewer than `k`."""
+        index still returns fewer than `k`. One statement for a small scope: the count that
+        decides and the scan it allows, or, once the scope is known to be small, the scan
+        counting what it scores."""
         if k <= 0:
             return []
         v = np.asarray(vector, dtype=np.float32).ravel()
         dim = int(v.shape[0])
-        lit = sql.vector_literal(v)
+        lit = self._literal(v)
         where, params = r.compile_query(self.dialect, query, self.tenant)
         source = sql.dense_source(dim, where)
         sparams = [self.tenant, key, *params]
-        with self._conn() as conn:
-            use_index = False
-            if dim <= schema.MAX_INDEXED_DIM:
-                indexed, n = conn.execute(
-                    f"SELECT to_regclass(%s) IS NOT NULL, (SELECT count(*) FROM (SELECT 1 {source} "
-                    "LIMIT %s) c)", [schema.hnsw_index_name(dim), *sparams, self.exact_limit + 1]
-                ).fetchone()  # type: ignore[misc]
-                use_index = indexed and n > self.exact_limit
-            if use_index:
-                conn.execute("SELECT set_config('hnsw.ef_search', %s, true)",
-                             (str(min(1000, max(100, 2 * k))),))
-                if self._iterative:
-                    conn.execute("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)")
-                rows = conn.execute(sql.dense_ann_sql(dim, source), [lit, *sparams, lit, 2 * k, k]).fetchall()
-                if len(rows) >= k:
-                    log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
-                    return [(row[0], float(row[1])) for row in rows]
-                log.debug("dense: the approximate query found %d of %d; exact scan", len(rows), k)
-            rows = conn.execute(sql.dense_exact_sql(source), [lit, *sparams, k]).fetchall()
-            log.debug("dense: exact scan, %d hits", len(rows))
+        exact = (sql.dense_exact_sql(source), [lit, *sparams, k])
+        limit = self.exact_limit
+        if dim > schema.MAX_INDEXED_DIM:
+            rows = self._batch([exact])[0]
+            log.debug("dense: exact scan (no index for %d dimensions), %d hits", dim, len(rows))
+            return [(row[0], float(row[1])) for row in rows]
+        shape = _shape(self.tenant, query, key, dim)
+        if shape is not None and self._small.get(shape):
+            rows = self._batch([(sql.dense_counted_sql(source), [lit, *sparams, k])])[0]
+            if rows and rows[0][2] > limit:
+                self._small[shape] = False  # it grew: the next search counts first
+            log.debug("dense: exact scan of a small scope, %d hits", len(rows))
+            return [(row[0], float(row[1])) for row in rows]
+        rows = self._batch([(sql.dense_guarded_sql(source),
+                             [schema.hnsw_index_name(dim), *sparams, limit + 1, lit, *sparams,
+                              limit, k])])[0]
+        (_, _, n, indexed) = rows[0]
+        if shape is not None:
+            if len(self._small) > 4096:
+                self._small.clear()
+            self._small[shape] = n <= limit
+        if n <= limit or not indexed:
+            log.debug("dense: exact scan of %d keys", n)
+            return [(row[0], float(row[1])) for row in rows if row[0] is not None]
+        ann: list[tuple[str, Sequence[Any]]] = [
+            ("SELECT set_config('hnsw.ef_search', %s, true)", (str(min(1000, max(100, 2 * k))),))]
+        if self._iterative:
+            ann.append(("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)", ()))
+        ann.append((sql.dense_ann_sql(dim, source), [lit, *sparams, lit, 2 * k, k]))
+        rows = self._batch(ann)[-1]
+        if len(rows) >= k:
+            log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
+            return [(row[0], float(row[1])) for row in rows]
+        log.debug("dense: the approximate query found %d of %d; exact scan", len(rows), k)
+        rows = self._batch([exact])[0]
         return [(row[0], float(row[1])) for row in rows]
+
+    def _literal(self, v: np.ndarray) -> str:
+        """The vector's literal; a search asks for its text, window and fact keys with one
+        vector, made into text once."""
+        raw = v.tobytes()
+        last = self._vector
+        if last[0] != raw:
+            last = self._vector = (raw, sql.vector_literal(v))
+        return last[1]
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
-        text = sql.tsquery_text(terms)
-        if not text or k <= 0:
+        """FTS5's BM25, computed from the same tokens and statistics (see bm25.py)."""
+        phrases = bm25.phrases(self._tokenizer, terms)
+        if not phrases or k <= 0:
             return []
-        rows = self._read(*sql.lexical(self.tenant, query, text, k, previous_weight))
+        rows = self._read(*sql.lexical(self.tenant, query, phrases, k, previous_weight))
         return [(row[0], float(row[1])) for row in rows]
 
     def touch(self, ids: Sequence[str], at: datetime) -> None:
@@ -235,12 +291,9 @@ class PostgresStore(SQLStore):
                 "WHERE tenant = %s AND id = ANY(%s)")
         params = (at, self.tenant, sorted(set(ids)))
         try:
-            if getattr(self._local, "conn", None) is not None:
-                self._read(stmt, params)
-                return
-            # Best effort: a row locked by a writer for more than 20 ms is simply not counted.
-            with self._transaction(lock_timeout_ms=20) as conn:
-                conn.execute(stmt, params)
+            # Best effort: a row locked by a writer for more than 20 ms is simply not counted
+            # (and, sent once, never counted twice).
+            self._batch([(stmt, params)], lock_timeout_ms=20, retry=False)
         except (StoreBusy, StoreUnavailable) as exc:
             log.debug("access tracking skipped: %s", exc)
 
@@ -275,6 +328,16 @@ class PostgresStore(SQLStore):
             log.warning("reclaim: %s", notice.message_primary)
 
 
+def _shape(tenant: str, query: Query, key: str, dim: int) -> tuple[Any, ...] | None:
+    """What the number of keys a dense search sees depends on, but time; None if unhashable."""
+    shape = (tenant, query.scope, query.kinds, query.conditions, query.as_of is None, key, dim)
+    try:
+        hash(shape)
+    except TypeError:
+        return None
+    return shape
+
+
 class PgTx(SQLTx):
     """The writes of one transaction (see `Tx` in store/base.py): rows with their lexemes, and
     keys, for which each new dimension first gets its HNSW index."""
@@ -295,8 +358,13 @@ class PgTx(SQLTx):
     def _savepoint(self) -> AbstractContextManager[Any]:
         return self.conn.transaction()  # a Conflict leaves the transaction usable
 
+    def _document(self, record: MemoryRecord, lexical: Lexical) -> bm25.Document:
+        return bm25.document(self.store._tokenizer, lexical.body, lexical.previous, record.scope)
+
     def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: Lexical) -> None:
-        self._exec(*sql.insert_memory(self.tenant, record, lexical.body, lexical.previous))
+        doc = self._document(record, lexical)
+        self._exec(*sql.insert_memory(self.tenant, record, doc))
+        self._exec(*sql.count_in(self.tenant, doc))
         self._put_keys(record.id, keys)
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
@@ -324,8 +392,12 @@ class PgTx(SQLTx):
 
     def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
                lexical: Lexical | None = None) -> None:
-        text = None if lexical is None else (lexical.body, lexical.previous)
-        self._exec(*sql.update_memory(self.tenant, record, text))
+        doc = None if lexical is None else self._document(record, lexical)
+        if doc is not None:
+            self._exec(*sql.count_out(self.tenant, [record.id]))
+        self._exec(*sql.update_memory(self.tenant, record, doc))
+        if doc is not None:
+            self._exec(*sql.count_in(self.tenant, doc))
         if keys is not None:
             for key in keys:  # before the delete below takes row locks on memory_keys
                 self._ensure_index(int(np.asarray(key.vector).size))
@@ -336,7 +408,8 @@ class PgTx(SQLTx):
     def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
         if not ids:
             return
-        self._exec("UPDATE memories SET deleted_at = %s, updated_at = %s, lex = NULL "
+        self._exec(*sql.count_out(self.tenant, ids))
+        self._exec(f"UPDATE memories SET deleted_at = %s, updated_at = %s, {sql.UNINDEX} "
                    "WHERE tenant = %s AND id = ANY(%s)", (at, at, self.tenant, list(ids)))
         self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = ANY(%s)",
                    (self.tenant, list(ids)))
@@ -345,10 +418,11 @@ class PgTx(SQLTx):
         if not ids:
             return
         params = (self.tenant, list(ids))
+        self._exec(*sql.count_out(self.tenant, ids))
         self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = ANY(%s)", params)
         self._exec("DELETE FROM events WHERE tenant = %s AND memory_id = ANY(%s)", params)
         self._exec("DELETE FROM memories WHERE tenant = %s AND id = ANY(%s)", params)
-        self.erased_from |= {"memories", "memory_keys", "events"}
+        self.erased_from |= {"memories", "memory_keys", "events", "lex_terms", "lex_stats"}
 
     def erase_scope(self, scope: Scope) -> None:
         super().erase_scope(scope)
