@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
-	bench-context bench-summaries bench-lifecycle bench-updates bench-parity clean
+	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -47,6 +47,9 @@ bench-scale: install
 
 bench-load: dev
 	$(PY) bench/load.py
+
+bench-redaction: install
+	$(PY) bench/redaction.py
 
 bench-updates: install
 	$(PY) bench/updates.py
