@@ -24,6 +24,8 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 	@echo "installing dev tools; building llama-cpp-python from source takes several minutes"
 	$(PIP) install -q -e '.[dev]'
+	@# the console's browser tests drive Debian's chromium (Playwright's own download is offline here)
+	@test -x /usr/bin/chromium || (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium))
 	touch $@
 
 install: $(VENV)/.installed
