@@ -153,6 +153,25 @@ def test_lexical_scores_are_fts5_bm25(store: Store, corpus: dict[str, str], text
     assert [s for _, s in got] == pytest.approx([s for _, s in expected], rel=1e-12, abs=1e-300)
 
 
+def test_pool_is_each_retriever_at_once(store: Store, corpus: dict[str, str]) -> None:
+    """`pool` answers what `dense` per key and `lexical` answer one by one; asked twice, since
+    a backend may batch the second search once it knows the scope is small."""
+    query, v, words = q(ANA), vec(1.0, 0.35), terms("Marta's dog running")
+    alone = {"text": store.dense(query, v, 5, key="text"),
+             "window": store.dense(query, v, 5, key="window"),
+             "lexical": store.lexical(query, words, 5, previous_weight=0.5)}
+    assert alone["text"] and alone["lexical"] and not alone["window"]
+    for _ in range(2):
+        got = store.pool(query, 5, vector=v, keys=["text", "window"], terms=words,
+                         previous_weight=0.5)
+        assert got.keys() == alone.keys()
+        for name, hits in alone.items():
+            assert [m for m, _ in got[name]] == [m for m, _ in hits]
+            assert [s for _, s in got[name]] == pytest.approx([s for _, s in hits], rel=1e-6)
+    assert store.pool(query, 5, vector=None, keys=[], terms=(), previous_weight=0.5) == {}
+    assert store.pool(query, 5, vector=v, keys=["text"], terms=["zzz"])["lexical"] == []
+
+
 # -- Memory.search end to end ----------------------------------------------------------------
 
 WHEN = datetime(2024, 5, 1, 9, 0, tzinfo=UTC)  # one time for every turn: recency favours none

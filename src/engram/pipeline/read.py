@@ -40,6 +40,11 @@ def query(scope: Scope, filters: Mapping[str, Any] | None, kinds: Iterable[str |
                  conditions=parse_filters(filters), as_of=valid.moment(as_of, "as_of"))
 
 
+# The dense retrievers: the key each searches and its weight in `RetrievalConfig`.
+DENSE = {"text": "dense_weight", "window": "window_weight", "fact": "fact_weight"}
+LABELS = {"text": "dense"}  # the retriever searching the "text" key is called "dense"
+
+
 def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray | None = None,
            pool: int | None = None) -> list[Ranked]:
     """Candidates per retriever (`pool` each, default the preset's), then fused and ranked
@@ -47,17 +52,13 @@ def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray |
     cfg = engine.retrieval
     store = engine.store
     n = max(pool or cfg.candidates, limit)
-    found: dict[str, list[tuple[str, float]]] = {}
-    if cfg.dense_weight or cfg.window_weight or cfg.fact_weight:
-        if vector is None:
-            vector = engine.embedder.embed_batch([text])[0]
-        for label, key, w in (("dense", "text", cfg.dense_weight),
-                              ("window", "window", cfg.window_weight),
-                              ("fact", "fact", cfg.fact_weight)):
-            if w:
-                found[label] = store.dense(q, vector, n, key=key)
-    if cfg.lexical_weight:
-        found["lexical"] = store.lexical(q, terms(text), n, cfg.previous_weight)
+    keys = [key for key, w in DENSE.items() if getattr(cfg, w)]
+    if keys and vector is None:
+        vector = engine.embedder.embed_batch([text])[0]
+    pooled = store.pool(q, n, vector=vector, keys=keys,
+                        terms=terms(text) if cfg.lexical_weight else (),
+                        previous_weight=cfg.previous_weight)
+    found = {LABELS.get(name, name): hits for name, hits in pooled.items()}
     fused = fuse(found, {"dense": cfg.dense_weight, "window": cfg.window_weight,
                          "fact": cfg.fact_weight, "lexical": cfg.lexical_weight}, cfg)
     return rank(fused, store.candidates(list(fused)), text, cfg, q.as_of or q.now)[:limit]

@@ -229,6 +229,12 @@ class Store(Protocol):
         """Visible memories matching any of `terms` by BM25 (higher is better), the
         `previous` column weighted by `previous_weight` against the body."""
 
+    def pool(self, query: Query, k: int, *, vector: np.ndarray | None, keys: Sequence[str],
+             terms: Sequence[str], previous_weight: float = 0.5) -> dict[str, list[tuple[str, float]]]:
+        """Every retriever's `k` candidates at once: `dense` for each key name in `keys`,
+        and `lexical` under the name "lexical" when there are terms; in one round trip where
+        the backend can (a search asks for up to four lists)."""
+
     def find_hash(self, scope: Scope, kind: Kind, content_hash: str,
                   now: datetime) -> MemoryRecord | None:
         """A visible, current memory of exactly this scope and kind with this content hash."""
@@ -343,6 +349,15 @@ class StoreBase(ABC):
     def reclaim(self) -> None: ...
 
     # -- conveniences --------------------------------------------------------------------------
+
+    def pool(self, query: Query, k: int, *, vector: np.ndarray | None, keys: Sequence[str],
+             terms: Sequence[str], previous_weight: float = 0.5) -> dict[str, list[tuple[str, float]]]:
+        found = {}
+        if vector is not None:
+            found = {key: self.dense(query, vector, k, key=key) for key in keys}
+        if terms:
+            found["lexical"] = self.lexical(query, terms, k, previous_weight)
+        return found
 
     def get(self, ids: Sequence[str]) -> dict[str, MemoryRecord]:
         if not ids:

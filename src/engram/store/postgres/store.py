@@ -266,6 +266,40 @@ class PostgresStore(SQLStore):
         rows = self._batch([exact])[0]
         return [(row[0], float(row[1])) for row in rows]
 
+    def pool(self, query: Query, k: int, *, vector: np.ndarray | None, keys: Sequence[str],
+             terms: Sequence[str], previous_weight: float = 0.5) -> dict[str, list[tuple[str, float]]]:
+        """One round trip once every key's scope is known to be small (the common case): the
+        counted exact scans and the BM25 statement in one batch. Otherwise each retriever on
+        its own, which learns the scope's size for the next search. A round trip costs far
+        more than these scans (a search used to pay four of them, and under load each waits
+        for the server's process to be scheduled)."""
+        statements: list[tuple[str, Sequence[Any]]] = []
+        shapes: list[tuple[Any, ...]] = []
+        if vector is not None and keys and k > 0:
+            v = np.asarray(vector, dtype=np.float32).ravel()
+            dim = int(v.shape[0])
+            where, params = r.compile_query(self.dialect, query, self.tenant)
+            counted = sql.dense_counted_sql(sql.dense_source(dim, where))
+            for key in keys:
+                shape = _shape(self.tenant, query, key, dim)
+                if dim > schema.MAX_INDEXED_DIM or shape is None or not self._small.get(shape):
+                    return super().pool(query, k, vector=vector, keys=keys, terms=terms,
+                                        previous_weight=previous_weight)
+                shapes.append(shape)
+                statements.append((counted, [self._literal(v), self.tenant, key, *params, k]))
+        phrases = bm25.phrases(self._tokenizer, terms) if terms and k > 0 else []
+        if phrases:
+            statements.append(sql.lexical(self.tenant, query, phrases, k, previous_weight))
+        rows = self._batch(statements) if statements else []
+        found: dict[str, list[tuple[str, float]]] = {}
+        for key, shape, got in zip(keys, shapes, rows, strict=False):
+            if got and got[0][2] > self.exact_limit:
+                self._small[shape] = False  # it grew: the next search counts first
+            found[key] = [(row[0], float(row[1])) for row in got]
+        if terms:
+            found["lexical"] = [(row[0], float(row[1])) for row in rows[-1]] if phrases else []
+        return found
+
     def _literal(self, v: np.ndarray) -> str:
         """The vector's literal; a search asks for its text, window and fact keys with one
         vector, made into text once."""
