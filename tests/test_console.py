@@ -336,6 +336,7 @@ def test_timeline_context_and_jobs_pages(page: Page, live: Live) -> None:
     expect(page.locator("main h1")).to_have_text("Background jobs")
 
 
+@pytest.mark.slow  # a second service, seeded again
 def test_without_auth_the_console_opens_without_login(tmp_path: Path, embedder: MiniLM,
                                                       browser: Browser) -> None:
     with live_service(tmp_path, embedder, auth=False) as service:
