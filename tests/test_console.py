@@ -105,8 +105,8 @@ def test_search_explain_shows_the_numbers_of_the_api(page: Page, live: Live) -> 
     shot(page, "search")
     columns = [c.strip() for c in table.locator("thead th").all_inner_texts()][2:]
     rows = table.locator("tbody tr")
-    shown = [(r.get_attribute("data-id"), [c.strip() for c in r.locator("td.num[data-stage]").all_inner_texts()])
-             for r in rows.all()]
+    shown = [(r.get_attribute("data-id"),
+              [c.strip() for c in r.locator("td.num[data-stage]").all_inner_texts()]) for r in rows.all()]
     hits = api(live, "a-member", "POST", "/v1/memories/search",
                json={"query": "Where does Ana live?", "user_id": "ana", "limit": 5}).json()["hits"]
     assert [h["memory"]["id"] for h in hits] == [i for i, _ in shown]

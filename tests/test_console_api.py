@@ -61,8 +61,8 @@ def test_a_reader_key_reads_everything_and_writes_nothing(svc: Service) -> None:
         assert r.status_code == 403 and error_code(r) == "forbidden", (method, url, r.text)
     got = svc.call("a-member", "GET", f"/v1/memories/{fact['id']}").json()
     assert got["text"] == "Ana is vegetarian"
-    assert [e["type"] for e in svc.call("a-member", "GET", f"/v1/memories/{fact['id']}/history").json()["events"]] \
-        == ["ADD"]
+    history = svc.call("a-member", "GET", f"/v1/memories/{fact['id']}/history").json()["events"]
+    assert [e["type"] for e in history] == ["ADD"]
     assert svc.call("a-member", "GET", "/v1/sessions").json()["items"] == []
     # the message says what the key is
     r = svc.call("a-reader", "PATCH", f"/v1/memories/{fact['id']}", json={"text": "x"})
@@ -77,7 +77,8 @@ def test_a_reader_key_gets_no_mcp_tools(svc: Service) -> None:
 
 def test_keys_create_accepts_the_reader_role(tmp_path: Path) -> None:
     db = tmp_path / "engram.db"
-    result = CliRunner().invoke(cli, ["keys", "create", "--tenant", "acme", "--role", "reader", "--db", str(db)])
+    result = CliRunner().invoke(cli, ["keys", "create", "--tenant", "acme", "--role", "reader",
+                                      "--db", str(db)])
     assert result.exit_code == 0, result.output
     assert "created reader key" in result.output
     keys = SQLiteKeyStore(tmp_path / "keys.db")
@@ -157,15 +158,16 @@ def test_a_revoked_key_ends_its_console_sessions(svc: Service) -> None:
 
 def test_erase_refuses_a_wrong_confirmation_and_a_member_key(svc: Service) -> None:
     _add(svc, "Bob's locker code is 3141", user_id="bob")
+    form = {"what": "user_id", "target": "bob", "confirm": "bob"}
     token = _login(svc, "a-admin")
-    r = svc.client.post("/ui/erase", data={"csrf": token, "what": "user_id", "target": "bob", "confirm": "bo"})
+    r = svc.client.post("/ui/erase", data={**form, "csrf": token, "confirm": "bo"})
     assert r.status_code == 422 and "not erased" in r.text
     token = _login(svc, "a-member")
-    r = svc.client.post("/ui/erase", data={"csrf": token, "what": "user_id", "target": "bob", "confirm": "bob"})
+    r = svc.client.post("/ui/erase", data={**form, "csrf": token})
     assert r.status_code == 403 and "admin key" in r.text
     assert len(svc.call("a-admin", "GET", "/v1/memories", params={"user_id": "bob"}).json()["items"]) == 1
     token = _login(svc, "a-admin")
-    r = svc.client.post("/ui/erase", data={"csrf": token, "what": "user_id", "target": "bob", "confirm": "bob"})
+    r = svc.client.post("/ui/erase", data={**form, "csrf": token})
     assert r.status_code == 200 and "Erased 1 memories of user" in r.text
     assert svc.call("a-admin", "GET", "/v1/memories", params={"user_id": "bob"}).json()["items"] == []
 
