@@ -85,6 +85,11 @@ def seed(mem: Memory) -> dict[str, str]:
     script = mem.add(SCRIPT_TEXT, kind="semantic", user_id="mallory").memories[0]
     mem.add([{"role": "user", "content": "I'm Bob and my locker code is 3141"},
              {"role": "user", "content": "I like chess"}], user_id="bob", session_id="bob-chat")
+    if hasattr(mem, "relate"):  # the entity graph (Memory.relate / neighbours), where it is built
+        for subject, predicate, obj in (("Ana", "lives_in", "Lisbon"), ("Ana", "works_at", "Clínica+"),
+                                        ("Clínica+", "located_in", "Lisbon"), ("Ana", "sister", "Inês"),
+                                        ("Inês", "lives_in", "Porto"), ("Ana", "age", 34)):
+            mem.relate(subject, predicate, obj, user_id=user)
     return {"porto": porto.id, "lisbon": lisbon.id, "sourced": sourced, "script": script.id}
 
 

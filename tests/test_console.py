@@ -20,6 +20,7 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from console_kit import CHROMIUM, CHROMIUM_ARGS, SCRIPT_TEXT, SECRET_B, Live, live_service
+from engram import Memory
 from engram.providers.embedders import MiniLM
 
 SHOTS = os.environ.get("CONSOLE_SHOTS")
@@ -334,6 +335,30 @@ def test_timeline_context_and_jobs_pages(page: Page, live: Live) -> None:
     shot(page, "context")
     page.goto(f"{live.url}/ui/jobs")
     expect(page.locator("main h1")).to_have_text("Background jobs")
+
+
+def test_graph_view_of_an_entitys_neighbourhood(page: Page, live: Live) -> None:
+    login(page, live, "a-reader")
+    page.goto(f"{live.url}/ui/graph?user_id=ana")
+    if not hasattr(Memory, "neighbours"):  # a build without the entity graph says so
+        expect(page.locator("main")).to_contain_text("not in this build")
+        return
+    page.get_by_label("entity").fill("Ana")
+    page.get_by_label("hops").select_option("2")
+    page.get_by_role("button", name="Show").click()
+    nodes = page.locator("svg.graph a.node")
+    names = sorted(t.strip() for t in nodes.locator("text").all_inner_texts())
+    assert names == sorted(["Ana", "Lisbon", "Clínica+", "Inês", "Porto"])
+    expect(page.locator("svg.graph a.ring-0")).to_contain_text("Ana")
+    expect(page.locator("svg.graph a.ring-2")).to_contain_text("Porto")  # two hops, via Inês
+    relations = page.get_by_role("table", name="Relations")
+    expect(relations).to_contain_text("works_at")
+    expect(relations).to_contain_text("34")  # a literal value: in the table, not drawn
+    assert page.locator("svg.graph g.edge").count() == 5
+    shot(page, "graph")
+    # one hop around another entity: one click
+    page.locator("svg.graph a.node", has_text="Inês").click()
+    expect(page.locator("svg.graph a.ring-0")).to_contain_text("Inês")
 
 
 @pytest.mark.slow  # a second service, seeded again

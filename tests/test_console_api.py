@@ -242,3 +242,26 @@ def test_console_sessions_expire_and_are_bounded() -> None:
     assert live.get(first.id) is None and live.get(second.id) is second and live.get(third.id) is third
     assert csrf_ok(second, second.csrf) and not csrf_ok(second, third.csrf) and not csrf_ok(None, "x")
     assert not csrf_ok(second, None) and live.get("x" * 500) is None
+
+
+def test_a_neighbourhood_is_drawn_on_rings_around_its_entity() -> None:
+    e = [{"id": str(i), "name": n, "type": "person"} for i, n in enumerate(["Ana", "Inês", "Porto", "Rui"])]
+    rel = [{"id": "r1", "subject": "Ana", "subject_id": "0", "predicate": "sister", "object": "Inês",
+            "object_id": "1"},
+           {"id": "r2", "subject": "Inês", "subject_id": "1", "predicate": "lives_in", "object": "Porto",
+            "object_id": "2", "valid_to": "2024-05-01T00:00:00+00:00"},
+           {"id": "r3", "subject": "Ana", "subject_id": "0", "predicate": "age", "object": "34",
+            "object_id": None, "value": "34"}]
+    d = views.layout({"entities": e, "relations": rel}, "ana")  # names match regardless of case
+    rings = {n.name: n.ring for n in d.nodes}
+    assert rings == {"Ana": 0, "Inês": 1, "Porto": 2, "Rui": 3}  # Rui: in the set, not linked
+    ana = next(n for n in d.nodes if n.name == "Ana")
+    assert (ana.x, ana.y) == (views.GRAPH_SIZE / 2, views.GRAPH_SIZE / 2)
+    assert all(0 <= n.x <= views.GRAPH_SIZE and 0 <= n.y <= views.GRAPH_SIZE for n in d.nodes)
+    assert [(x.predicate, x.drawn) for x in d.edges] == [("sister", True), ("lives_in", True), ("age", False)]
+    assert not d.truncated
+    many = [{"id": str(i), "name": f"e{i}", "type": "t"} for i in range(views.MAX_NODES + 5)]
+    star = [{"id": f"r{i}", "subject_id": "0", "object_id": str(i), "predicate": "p"}
+            for i in range(1, len(many))]
+    big = views.layout({"entities": many, "relations": star}, "e0")
+    assert len(big.nodes) == views.MAX_NODES and big.truncated

@@ -369,6 +369,27 @@ async def jobs(request: Request) -> Response:
         "jobs": page.mem.jobs(**page.scope, status=page.arg("status"), limit=100)})
 
 
+@router.get("/graph")
+async def graph(request: Request) -> Response:
+    """An entity's neighbourhood (`Memory.neighbours`, as GET /v1/graph/neighbours), drawn."""
+    page = await _page(request)
+
+    def build() -> dict[str, Any]:
+        depth = _int(page.arg("depth"), 1, "depth", 1, 4)
+        # the graph API arrives with the graph store; a build without it says so
+        neighbours = getattr(page.mem, "neighbours", None)
+        name = page.arg("name")
+        if neighbours is None or not name:
+            return {"available": neighbours is not None, "drawing": None, "depth": depth,
+                    "size": views.GRAPH_SIZE}
+        found = neighbours(name, depth=depth, user_id=page.scope["user_id"],
+                           agent_id=page.scope["agent_id"])
+        return {"available": True, "drawing": views.layout(found.to_dict(), name), "depth": depth,
+                "size": views.GRAPH_SIZE}
+
+    return await _run(page, "graph.html", build)
+
+
 @router.get("/erase")
 async def erase_form(request: Request) -> Response:
     page = await _page(request)

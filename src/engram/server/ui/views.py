@@ -7,6 +7,7 @@ No HTML here and no request handling; the functions that do no I/O are plain and
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -246,3 +247,99 @@ def filters(metadata: str | None, time_field: str | None, start: str | None,
     if bounds:
         out[field_name] = bounds
     return out or None
+
+
+# -- the entity graph: a neighbourhood, drawn --------------------------------------------------
+
+GRAPH_SIZE = 640   # the drawing's width and height, SVG user units
+MAX_NODES = 60     # a neighbourhood, not a hairball: the nearest rings are kept
+
+
+@dataclass
+class Node:
+    id: str
+    name: str
+    type: str
+    ring: int
+    x: float = 0.0
+    y: float = 0.0
+
+
+@dataclass
+class Edge:
+    id: str
+    subject: str        # names, as the wire format gives them
+    predicate: str
+    object: str
+    valid_from: str | None
+    valid_to: str | None
+    drawn: bool         # both ends are entities in the drawing (a literal value is not)
+    x1: float = 0.0
+    y1: float = 0.0
+    x2: float = 0.0
+    y2: float = 0.0
+
+
+@dataclass
+class Drawing:
+    nodes: list[Node]
+    edges: list[Edge]
+    truncated: bool
+
+
+def layout(subgraph: Mapping[str, Any], center: str) -> Drawing:
+    """Place a neighbourhood (`Subgraph.to_dict()`: the REST shape) on rings around the entity
+    named `center`: ring n holds the entities n hops away, spread evenly around it."""
+    entities = {e["id"]: e for e in subgraph.get("entities", [])}
+    relations = list(subgraph.get("relations", []))
+    by_name = {str(e["name"]).casefold(): i for i, e in entities.items()}
+
+    def end(rel: Mapping[str, Any], side: str) -> str | None:
+        found = rel.get(f"{side}_id")
+        if found in entities:
+            return str(found)
+        return by_name.get(str(rel.get(side, "")).casefold())
+
+    root = by_name.get(center.casefold()) or next(iter(entities), None)
+    ring: dict[str, int] = {}
+    if root is not None:
+        ring[root] = 0
+        frontier = [root]
+        while frontier:
+            step = []
+            for here in frontier:
+                for rel in relations:
+                    a, b = end(rel, "subject"), end(rel, "object")
+                    for src, dst in ((a, b), (b, a)):
+                        if src == here and dst is not None and dst not in ring:
+                            ring[dst] = ring[here] + 1
+                            step.append(dst)
+            frontier = step
+    for i in entities:  # entities the relations do not reach still belong to the neighbourhood
+        ring.setdefault(i, max(ring.values(), default=0) + 1)
+    kept = sorted(ring, key=lambda i: (ring[i], str(entities[i]["name"]).casefold()))[:MAX_NODES]
+    nodes = {i: Node(i, str(entities[i]["name"]), str(entities[i].get("type", "")), ring[i]) for i in kept}
+    _place(list(nodes.values()))
+    edges = []
+    for rel in relations:
+        a, b = end(rel, "subject"), end(rel, "object")
+        edge = Edge(str(rel.get("id", "")), str(rel.get("subject", "")), str(rel.get("predicate", "")),
+                    str(rel.get("object", "")), rel.get("valid_from"), rel.get("valid_to"),
+                    drawn=a in nodes and b in nodes)
+        if edge.drawn:
+            assert a is not None and b is not None
+            edge.x1, edge.y1, edge.x2, edge.y2 = nodes[a].x, nodes[a].y, nodes[b].x, nodes[b].y
+        edges.append(edge)
+    return Drawing(list(nodes.values()), edges, truncated=len(ring) > len(kept))
+
+
+def _place(nodes: list[Node]) -> None:
+    half = GRAPH_SIZE / 2
+    rings = max((n.ring for n in nodes), default=0)
+    step = (half - 70) / rings if rings else 0.0
+    for r in range(rings + 1):
+        members = [n for n in nodes if n.ring == r]
+        for k, n in enumerate(members):
+            angle = 2 * math.pi * k / max(len(members), 1) + r * 0.5 - math.pi / 2
+            n.x = round(half + step * r * math.cos(angle), 1)
+            n.y = round(half + step * r * math.sin(angle), 1)
