@@ -347,7 +347,7 @@ def test_graph_view_of_an_entitys_neighbourhood(page: Page, live: Live) -> None:
     page.get_by_label("hops").select_option("2")
     page.get_by_role("button", name="Show").click()
     nodes = page.locator("svg.graph a.node")
-    names = sorted(t.strip() for t in nodes.locator("text").all_inner_texts())
+    names = sorted(t.strip() for t in nodes.locator("text").all_text_contents())
     assert names == sorted(["Ana", "Lisbon", "Clínica+", "Inês", "Porto"])
     expect(page.locator("svg.graph a.ring-0")).to_contain_text("Ana")
     expect(page.locator("svg.graph a.ring-2")).to_contain_text("Porto")  # two hops, via Inês
