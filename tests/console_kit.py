@@ -89,7 +89,7 @@ def seed(mem: Memory) -> dict[str, str]:
         for subject, predicate, obj in (("Ana", "lives_in", "Lisbon"), ("Ana", "works_at", "Clínica+"),
                                         ("Clínica+", "located_in", "Lisbon"), ("Ana", "sister", "Inês"),
                                         ("Inês", "lives_in", "Porto"), ("Ana", "age", 34)):
-            mem.relate(subject, predicate, obj, user_id=user)
+            mem.relate(subject, predicate, obj, user_id=user, agent_id=agent)
     return {"porto": porto.id, "lisbon": lisbon.id, "sourced": sourced, "script": script.id}
 
 

@@ -339,7 +339,7 @@ def test_timeline_context_and_jobs_pages(page: Page, live: Live) -> None:
 
 def test_graph_view_of_an_entitys_neighbourhood(page: Page, live: Live) -> None:
     login(page, live, "a-reader")
-    page.goto(f"{live.url}/ui/graph?user_id=ana")
+    page.goto(f"{live.url}/ui/graph?user_id=ana&agent_id=assistant")
     if not hasattr(Memory, "neighbours"):  # a build without the entity graph says so
         expect(page.locator("main")).to_contain_text("not in this build")
         return
