@@ -93,7 +93,8 @@ def _context(request: Request,
     """Authenticate, spend a rate-limit token, open the tenant's memory."""
     state = request.app.state
     principal = state.auth(request.headers.get("authorization"))
-    require_access(principal, request.method, request.url.path)
+    # the route's template (/v1/memories/{id}), whatever prefix the app is mounted under
+    require_access(principal, request.method, getattr(request.scope.get("route"), "path", request.url.path))
     wait = state.limiter.take(principal.bucket)
     if wait > 0:
         raise ServiceError(429, "rate_limited",
