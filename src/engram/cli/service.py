@@ -38,7 +38,8 @@ def _key_store(st: State) -> Iterator[KeyStore]:
 def keys_create(ctx: typer.Context,
                 tenant: Annotated[str, typer.Option("--tenant", "-t", help="The tenant the key acts for.")],
                 role: Annotated[str, typer.Option(
-                    "--role", "-r", help="member (read and write) or admin (also erase, export, import).")]
+                    "--role", "-r", help="member (read and write), admin (also erase, export, import) "
+                                         "or reader (read only).")]
                 = "member",
                 name: Annotated[str, typer.Option("--name", help="A label, e.g. who holds it.")] = "",
                 db: DbOpt = None, as_json: JsonOpt = False) -> None:
@@ -126,8 +127,8 @@ def serve(ctx: typer.Context,
                 warn.print(f"[bold red]!! and {host} is not a loopback address.")
             warn.print("[bold red]" + "!" * 78)
         shown = f"[{host}]" if ":" in host else host
-        typer.echo(f"engram serving on http://{shown}:{port}  (API docs: http://{shown}:{port}/docs)",
-                   err=True)
+        typer.echo(f"engram serving on http://{shown}:{port}  (API docs: http://{shown}:{port}/docs, "
+                   f"memory console: http://{shown}:{port}/ui)", err=True)
         application = create_app(cfg, auth=not no_auth, limits=limits)
     uvicorn.run(application, host=host, port=port, log_level="info", access_log=False)
 

@@ -36,6 +36,7 @@ from .ratelimit import RateLimiter
 from .routes import router
 from .schemas import ErrorOut, HealthOut
 from .tenants import Tenants
+from .ui import mount as mount_console
 
 if TYPE_CHECKING:
     from ..mcp.mount import Mount
@@ -85,6 +86,7 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     app.state.limiter = RateLimiter(limits.rate, limits.burst)
     app.state.metrics = metrics
     app.include_router(router)
+    mount_console(app)  # the memory console at /ui: the same keys, tenants and Memory methods
     add_docs(app)
     _add_probes(app, key_store, tenants)
     _add_error_handlers(app)

@@ -61,4 +61,23 @@ class Authenticator:
 
 def require_admin(principal: Principal, action: str) -> None:
     if principal.role is not Role.ADMIN:
-        raise ServiceError(403, "forbidden", f"{action} needs an admin key; this key is a member key")
+        raise ServiceError(403, "forbidden",
+                           f"{action} needs an admin key; this key is a {principal.role.value} key")
+
+
+def require_writer(principal: Principal, action: str) -> None:
+    """A reader key sees everything of its tenant and changes nothing."""
+    if principal.role is Role.READER:
+        raise ServiceError(403, "forbidden", f"{action} needs a member or admin key; this key is "
+                                             "a read-only reader key")
+
+
+# The POST routes that only read (a query in a body): everything else that is not a GET is a
+# write. Fail closed: a route added later is refused to readers until it is listed here.
+READ_ONLY_POSTS = frozenset({"/v1/memories/search", "/v1/context"})
+
+
+def require_access(principal: Principal, method: str, path: str) -> None:
+    """The role check every /v1 request passes: readers may only read."""
+    if method not in ("GET", "HEAD", "OPTIONS") and path not in READ_ONLY_POSTS:
+        require_writer(principal, f"{method} {path}")

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..errors import EngramError, InvalidInput
-from .auth import Authenticator, Principal
+from .auth import Authenticator, Principal, require_writer
 from .errors import ServiceError, classify
 from .ratelimit import RateLimiter, retry_after_header
 
@@ -43,6 +43,8 @@ class Guard:
         header = dict(scope["headers"]).get(b"authorization")
         try:
             principal = self.auth(header.decode("latin-1") if header is not None else None)
+            # the MCP tools read and write through one endpoint: a read-only key gets none
+            require_writer(principal, "the MCP endpoint")
             wait = self.limiter.take(principal.bucket)
             if wait > 0:
                 raise ServiceError(429, "rate_limited", "rate limit reached; retry later",

@@ -33,6 +33,7 @@ MAX_NAME_CHARS = 200
 class Role(StrEnum):
     ADMIN = "admin"    # everything, including erase and export of the tenant's data
     MEMBER = "member"  # read and write memories; no erase, no export
+    READER = "reader"  # read only: lists, searches, history, context; every write is refused
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from .. import Memory, SessionHandle
 from ..errors import InvalidFilter, InvalidInput, NotFound
 from ..model import Kind, Scope, Session
 from ..working import SessionMessage
-from .auth import Principal, require_admin
+from .auth import Principal, require_access, require_admin
 from .errors import ServiceError
 from .ratelimit import retry_after_header
 from .schemas import (
@@ -93,6 +93,8 @@ def _context(request: Request,
     """Authenticate, spend a rate-limit token, open the tenant's memory."""
     state = request.app.state
     principal = state.auth(request.headers.get("authorization"))
+    # the route's template (/v1/memories/{id}), whatever prefix the app is mounted under
+    require_access(principal, request.method, getattr(request.scope.get("route"), "path", request.url.path))
     wait = state.limiter.take(principal.bucket)
     if wait > 0:
         raise ServiceError(429, "rate_limited",
