@@ -31,6 +31,7 @@ from .model import (
     Kind,
     MemoryRecord,
     Page,
+    Receipt,
     Session,
     Unset,
     utcnow,
@@ -247,15 +248,28 @@ class Memory:
         history text, and everything derived from them (extracted facts, summaries, session
         rows, job payloads).
 
-        Returns how many memories were erased. The freed bytes are overwritten (secure_delete)
-        and checkpointed out of the write-ahead log.
+        Returns how many memories were erased; `receipts()` has the erasure's receipt. The
+        freed bytes are overwritten (secure_delete) and checkpointed out of the write-ahead log.
         """
+        return self.erase_receipt(id=id, user_id=user_id, agent_id=agent_id,
+                                  session_id=session_id).memories
+
+    def erase_receipt(self, *, id: str | None = None, user_id: str | None = None,
+                      agent_id: str | None = None, session_id: str | None = None) -> Receipt:
+        """`erase`, returning its receipt: what was removed (counts by kind, sessions, jobs),
+        the scope, the time and a SHA-256 of the erased ids; never their content."""
         scope = valid.scope(user_id, agent_id, session_id)
         if id is not None:
             return erase.memory(self._engine, valid.ident(id), scope)
         if scope.is_empty():
             raise InvalidInput("erase needs an id or at least one of user_id, agent_id, session_id")
         return erase.scope(self._engine, scope)
+
+    def receipts(self, *, user_id: str | None = None, agent_id: str | None = None,
+                 session_id: str | None = None, limit: int = 50) -> builtins.list[Receipt]:
+        """The receipts of past erasures (and retention deletes) in a scope, newest first."""
+        return erase.receipts(self.store, valid.scope(user_id, agent_id, session_id),
+                              valid.limit(limit))
 
     # -- read --------------------------------------------------------------------------------
 
