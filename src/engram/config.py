@@ -135,10 +135,11 @@ class Config:
                                    f"(or is empty): {exc}") from None
         if key:
             values["encryption_key"] = key
-        for kind in RETENTION_KINDS:
-            var = f"ENGRAM_RETENTION_{kind.upper()}"
+        for name, var in (("retention_episodes_days", "ENGRAM_RETENTION_EPISODES"),
+                          ("retention_messages_days", "ENGRAM_RETENTION_MESSAGES"),
+                          ("retention_facts_days", "ENGRAM_RETENTION_FACTS")):
             if env.get(var):
-                values[f"retention_{kind}_days"] = _days(env[var], var)
+                values[name] = _days(env[var], var)
         if env.get("ENGRAM_RETENTION_TENANTS"):
             try:
                 values["retention_tenants"] = json.loads(env["ENGRAM_RETENTION_TENANTS"])
