@@ -28,6 +28,7 @@ from ..model import Kind, Scope, Session
 from ..working import SessionMessage
 from .auth import Principal, require_admin
 from .errors import ServiceError
+from .guard import PRINCIPAL
 from .ratelimit import retry_after_header
 from .schemas import (
     MAX_ID,
@@ -93,6 +94,7 @@ def _context(request: Request,
     """Authenticate, spend a rate-limit token, open the tenant's memory."""
     state = request.app.state
     principal = state.auth(request.headers.get("authorization"))
+    request.scope[PRINCIPAL] = principal  # for the audit trail (server/audit.py)
     wait = state.limiter.take(principal.bucket)
     if wait > 0:
         raise ServiceError(429, "rate_limited",
