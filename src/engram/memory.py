@@ -12,6 +12,7 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from .model import (
     UNSET,
     AddResult,
     Event,
+    EventType,
     Hit,
     Job,
     JobStatus,
@@ -36,7 +38,7 @@ from .model import (
     Unset,
     utcnow,
 )
-from .pipeline import erase, learn, read, write
+from .pipeline import erase, learn, read, retention, write
 from .pipeline import extract as extraction
 from .pipeline.engine import Engine
 from .pipeline.retrieve import RetrievalConfig
@@ -68,6 +70,7 @@ class Memory:
         self._engine = Engine.build(config, store=store, embedder=embedder, llm=llm,
                                     retrieval=retrieval, tenant=tenant)
         self._queue = jobs.Queue(self._engine)
+        self._queue.retention = config.retention(tenant)  # enforced by the worker
         self._sessions: weakref.WeakSet[SessionHandle] = weakref.WeakSet()
 
     # The engine's parts, for callers that tune or inspect them (benchmarks, tests).
@@ -314,7 +317,17 @@ class Memory:
     def stats(self, *, user_id: str | None = None, agent_id: str | None = None,
               session_id: str | None = None) -> Stats:
         """Counts of a scope: memories by kind and state, events, scopes, database size."""
-        return self.store.stats(valid.scope(user_id, agent_id, session_id), utcnow())
+        scope = valid.scope(user_id, agent_id, session_id)
+        found = self.store.stats(scope, utcnow())
+        policy = self._queue.retention
+        removed = self.store.count_events(EventType.DELETE.value, scope, retention.REASON)
+        return replace(found, retention={**policy, "removed": removed})
+
+    def retain(self, *, now: datetime | None = None) -> Receipt | None:
+        """Enforce the retention policy now (the worker does it when idle, hourly): remove
+        what has outlived it, leaving DELETE events with the reason and a receipt (returned;
+        None when nothing had outlived it)."""
+        return retention.enforce(self._engine, self._queue.retention, now or utcnow())
 
     # -- background jobs (jobs.py) -----------------------------------------------------------
 

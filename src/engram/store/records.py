@@ -264,6 +264,13 @@ def select_events_of(d: Dialect, tenant: str, type: str, scope: Scope, limit: in
             f"ORDER BY e.{d.seq} DESC LIMIT {int(limit)}", w.params)
 
 
+def count_events(d: Dialect, tenant: str, type: str, scope: Scope, reason_prefix: str) -> Stmt:
+    """How many events of a type in a scope have a reason starting with `reason_prefix`."""
+    w = Where(d, tenant, "e").add(f"e.type = {d.mark}", type).scope(scope)
+    w.add(f"substr(e.reason, 1, {len(reason_prefix)}) = {d.mark}", reason_prefix)
+    return f"SELECT count(*) FROM events e WHERE {w.sql}", w.params
+
+
 def delete_jobs(d: Dialect, tenant: str, ids: Sequence[str]) -> Stmt:
     w = Where(d, tenant).one_of("m.id", ids)
     return f"DELETE FROM jobs AS m WHERE {w.sql}", w.params

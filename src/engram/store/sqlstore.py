@@ -78,6 +78,10 @@ class SQLStore(StoreBase):
         stmt = r.select_events_of(d, self.tenant, type, scope, limit)
         return [r.read_event(d, row) for row in self._read(*stmt)]
 
+    def count_events(self, type: str, scope: Scope, reason_prefix: str) -> int:
+        ((n,),) = self._read(*r.count_events(self.dialect, self.tenant, type, scope, reason_prefix))
+        return int(n)
+
     def read_jobs(self, *, id: str | None = None, key: str | None = None,
                   scope: Scope | None = None, status: str | None = None,
                   limit: int | None = None) -> list[Job]:
