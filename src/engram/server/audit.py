@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Protocol
 
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -30,6 +30,7 @@ from ..model import new_id
 from ..store.sqlite import Connections
 from .auth import Principal, require_admin
 from .guard import PRINCIPAL
+from .routes import COMMON, Context
 
 log = logging.getLogger("engram.audit")
 
@@ -249,34 +250,30 @@ def install(app: FastAPI, config: Config) -> None:
     """Record every memory call and serve `GET /v1/audit` (admin keys, their own tenant)."""
     audit_log = open_audit_log(config)
     app.state.audit = audit_log
-    router = APIRouter(prefix="/v1", tags=["audit"])
+    router = APIRouter(prefix="/v1", tags=["audit"], responses=COMMON)
 
     @router.get("/audit", response_model=AuditOut)
-    def read_audit(request: Request,
+    def read_audit(ctx: Context,
                    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 100,
                    key_id: Annotated[str | None, Query(max_length=200)] = None,
                    route: Annotated[str | None, Query(max_length=200)] = None) -> Any:
         """The audit trail of this key's tenant, newest first (admin keys): who called which
         route, on which scope, with what result size. Never memory text."""
-        principal = request.app.state.auth(request.headers.get("authorization"))
-        request.scope[PRINCIPAL] = principal
-        require_admin(principal, "reading the audit trail")
-        found = audit_log.entries(tenant=principal.tenant, key_id=key_id, route=route, limit=limit)
+        require_admin(ctx.principal, "reading the audit trail")
+        found = audit_log.entries(tenant=ctx.principal.tenant, key_id=key_id, route=route,
+                                  limit=limit)
         return {"entries": [e.to_dict() for e in found]}
 
     @router.get("/receipts", response_model=ReceiptsOut)
-    def read_receipts(request: Request, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
+    def read_receipts(ctx: Context, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
                       user_id: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
                       agent_id: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
                       session_id: Annotated[str | None, Query(min_length=1, max_length=200)] = None
                       ) -> Any:
         """Erasure receipts of this tenant (admin keys), newest first: what each erasure and
         retention delete removed (counts by kind, scope, time, a hash of the ids)."""
-        principal = request.app.state.auth(request.headers.get("authorization"))
-        request.scope[PRINCIPAL] = principal
-        require_admin(principal, "reading erasure receipts")
-        mem = request.app.state.tenants.get(principal.tenant)
-        found = mem.receipts(user_id=user_id, agent_id=agent_id, session_id=session_id, limit=limit)
+        require_admin(ctx.principal, "reading erasure receipts")
+        found = ctx.mem.receipts(user_id=user_id, agent_id=agent_id, session_id=session_id, limit=limit)
         return {"receipts": [r.to_dict() for r in found]}
 
     app.include_router(router)

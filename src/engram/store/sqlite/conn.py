@@ -33,6 +33,10 @@ PLAIN_HEADER = b"SQLite format 3\x00"  # the first bytes of every unencrypted SQ
 # salt): done once per file here, so each new connection gives the raw key and skips it.
 KDF_ROUNDS = 256_000
 KEY_HINT = "set ENGRAM_ENCRYPTION_KEY or ENGRAM_ENCRYPTION_KEY_FILE"
+# Derived raw keys by (SHA-256 of the passphrase, file salt): one derivation per file and
+# process, shared by every `Connections` of it (the service's tenants, a CLI command, forked
+# workers). It holds what SQLCipher itself keeps in memory for an open database.
+_DERIVED: dict[tuple[bytes, bytes], str] = {}
 
 
 def cipher() -> ModuleType:
@@ -59,8 +63,8 @@ def quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def connect(path: Path | str, key: str | None, *, timeout: float = 5.0, uri: bool = False,
-            salted: dict[bytes, str] | None = None) -> sqlite3.Connection:
+def connect(path: Path | str, key: str | None, *, timeout: float = 5.0,
+            uri: bool = False) -> sqlite3.Connection:
     """One connection to `path` (plain without a key, SQLCipher with one), checked: a wrong or
     missing key raises `EncryptionError` before anything is read or written."""
     file = Path(str(path).removeprefix("file:").partition("?")[0]) if uri else Path(path)
@@ -78,7 +82,7 @@ def connect(path: Path | str, key: str | None, *, timeout: float = 5.0, uri: boo
                                                    check_same_thread=False, uri=uri))
     try:
         conn.execute("PRAGMA cipher_log_level = NONE")  # a wrong key is our error, not stderr noise
-        conn.execute(f"PRAGMA key = {key_literal(key, head, salted)}")
+        conn.execute(f"PRAGMA key = {key_literal(key, head)}")
         conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
         # temporary tables and sort files stay in memory, never in plain temp files
         conn.execute("PRAGMA temp_store = MEMORY")
@@ -91,16 +95,19 @@ def connect(path: Path | str, key: str | None, *, timeout: float = 5.0, uri: boo
     return conn
 
 
-def key_literal(key: str, head: bytes, salted: dict[bytes, str] | None = None) -> str:
+def key_literal(key: str, head: bytes) -> str:
     """The `PRAGMA key` value: the raw key derived here from the file's salt when the file
     exists (SQLCipher then skips its own derivation), else the passphrase (a new file)."""
     if len(head) < 16:
         return quote(key)
-    raw = salted.get(head) if salted is not None else None
+    known = (hashlib.sha256(key.encode()).digest(), head)
+    raw = _DERIVED.get(known)
     if raw is None:
         raw = hashlib.pbkdf2_hmac("sha512", key.encode(), head, KDF_ROUNDS, 32).hex()
-        if salted is not None:
-            salted[head] = raw
+        if len(_DERIVED) > 1024:  # many tenants' files: forget the oldest half
+            for old in list(_DERIVED)[:512]:
+                del _DERIVED[old]
+        _DERIVED[known] = raw
     return f"\"x'{raw}'\""
 
 
@@ -118,7 +125,6 @@ class Connections:
         self.busy_timeout_s = busy_timeout_s
         self.label = label or str(path)
         self.key = key
-        self._salted: dict[bytes, str] = {}  # file salt -> raw key (derived once)
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
@@ -135,7 +141,7 @@ class Connections:
             if self._closed:
                 raise StoreError(f"{self.label} is closed")
             try:
-                conn = connect(self.path, self.key, timeout=self.busy_timeout_s, salted=self._salted)
+                conn = connect(self.path, self.key, timeout=self.busy_timeout_s)
                 conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA synchronous = FULL")
@@ -185,8 +191,8 @@ class Connections:
         """Raise StoreUnavailable unless the file can be opened and read now. A fresh
         connection: an open handle keeps answering after the file's directory is gone."""
         try:
-            with closing(connect(f"file:{self.path}?mode=rw", self.key, timeout=2, uri=True,
-                                 salted=self._salted)) as conn:
+            with closing(connect(f"file:{self.path}?mode=rw", self.key, timeout=2,
+                                 uri=True)) as conn:
                 conn.execute(sql).fetchall()
         except DB_ERRORS as exc:
             raise StoreUnavailable(f"{self.label} cannot be read: {exc}") from exc
