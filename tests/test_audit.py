@@ -6,17 +6,21 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import psycopg
 import pytest
 
+from pg_server import PG
 from server_kit import error_code, service
 
 CANARY = "xqaudit8841"
 
 
-def test_every_memory_call_is_audited_without_text_or_key(tmp_path: Path, embedder,
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_every_memory_call_is_audited_without_text_or_key(tmp_path: Path, embedder, backend: str,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="engram.audit")
-    with service(tmp_path, embedder) as svc:
+    url = PG.database_for(tmp_path) if backend == "postgres" else None
+    with service(tmp_path, embedder, database_url=url) as svc:
         ids = {k.name: k.id for k in svc.keys.list("a")}
         added = svc.call("a-member", "POST", "/v1/memories",
                          json={"messages": f"my code is {CANARY}", "user_id": "u1"})
@@ -52,9 +56,13 @@ def test_every_memory_call_is_audited_without_text_or_key(tmp_path: Path, embedd
             ("scope", 1, "u1")]
         assert svc.call("a-member", "GET", "/v1/receipts").status_code == 403
 
-        audit_db = svc.config.path.parent / "audit.db"
         secrets = list(svc.tokens.values())
-    raw = b"".join(p.read_bytes() for p in audit_db.parent.glob("audit.db*"))
+        if url is None:
+            audit_db = svc.config.path.parent / "audit.db"
+            raw = b"".join(p.read_bytes() for p in audit_db.parent.glob("audit.db*"))
+        else:
+            with psycopg.connect(url) as conn:
+                raw = repr(conn.execute("SELECT * FROM engram_audit").fetchall()).encode()
     assert raw and CANARY.encode() not in raw
     assert not any(s.encode() in raw for s in secrets)
     lines = [r.getMessage() for r in caplog.records if r.name == "engram.audit"]
