@@ -32,15 +32,22 @@ def test_every_memory_call_is_audited_without_text_or_key(tmp_path: Path, embedd
         assert svc.call("b-member", "GET", f"/v1/memories/{mid}").status_code == 404
         assert svc.call("a-admin", "POST", "/v1/erase", json={"user_id": "u1"}).status_code == 200
 
+        mcp = svc.call("a-member", "POST", "/mcp", headers={
+            "Accept": "application/json, text/event-stream"}, json={
+            "jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": "2025-06-18", "capabilities": {},
+                "clientInfo": {"name": "audit-test", "version": "1"}}})
+        assert mcp.status_code == 200, mcp.text
         denied = svc.call("a-member", "GET", "/v1/audit")
         assert denied.status_code == 403 and error_code(denied) == "forbidden"
         got = svc.call("a-admin", "GET", "/v1/audit", params={"limit": 50})
         assert got.status_code == 200
         entries = got.json()["entries"]
         calls = [(e["method"], e["route"], e["status"]) for e in reversed(entries)]
-        assert calls[:5] == [("POST", "/v1/memories", 201), ("POST", "/v1/memories/search", 200),
+        assert calls[:6] == [("POST", "/v1/memories", 201), ("POST", "/v1/memories/search", 200),
                              ("GET", "/v1/memories/{id}", 200), ("POST", "/v1/erase", 200),
-                             ("GET", "/v1/audit", 403)]
+                             ("POST", "/mcp", 200), ("GET", "/v1/audit", 403)]
+        assert entries[-5]["key_id"] == ids["a member"]  # the MCP call, by the same key
         first = entries[-1]
         assert (first["key_id"], first["tenant"], first["user_id"]) == (ids["a member"], "a", "u1")
         assert first["result_bytes"] == len(added.content)

@@ -155,3 +155,25 @@ def test_an_encrypted_database_backs_up_encrypted(tmp_path: Path, embedder) -> N
     with Memory(config=restored, embedder=embedder) as mem:
         assert mem.stats(user_id="A").memories == 5
     assert occurrences(files(tmp_path / "restored.db"), CANARY) == 0
+
+
+def test_the_service_encrypts_every_tenant_and_its_audit_log(tmp_path: Path, embedder) -> None:
+    from server_kit import service
+
+    with service(tmp_path, embedder, encryption_key=KEY) as svc:
+        for who in ("a-member", "b-member"):
+            r = svc.call(who, "POST", "/v1/memories",
+                         json={"messages": f"my code is {CANARY}", "user_id": "u1"})
+            assert r.status_code == 201
+        found = svc.call("a-member", "POST", "/v1/memories/search",
+                         json={"query": CANARY, "user_id": "u1"}).json()
+        assert found["hits"][0]["memory"]["text"] == f"my code is {CANARY}"
+        data = svc.config.path.parent
+        tenants = sorted((data / "tenants").glob("*.db"))
+        assert len(tenants) == 2
+        everything = sorted(p for p in data.rglob("*") if p.is_file())
+        assert occurrences(everything, CANARY) == 0
+        for db in [*tenants, data / "audit.db"]:
+            assert not db.read_bytes().startswith(b"SQLite format 3")
+        # keys.db holds only key digests, tenants and names (no memory): plain by design
+        assert (data / "keys.db").read_bytes().startswith(b"SQLite format 3")

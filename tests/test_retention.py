@@ -13,6 +13,7 @@ import pytest
 from engram import Config, EventType, InvalidInput, Memory, NotFound
 from engram.model import utcnow
 from engram.pipeline.retention import cutoffs
+from pg_server import PG
 from server_kit import service
 
 CANARY = "rqzretain6612"
@@ -52,9 +53,12 @@ def test_retention_config_per_kind_and_tenant(monkeypatch: pytest.MonkeyPatch) -
         Config.from_env()
 
 
-def test_retention_removes_each_kind_after_its_days(tmp_path: Path, embedder) -> None:
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_retention_removes_each_kind_after_its_days(tmp_path: Path, embedder, backend: str) -> None:
     db = tmp_path / "r.db"
-    config = Config(path=db, retention_episodes_days=90, retention_messages_days=30)
+    url = PG.database_for(tmp_path) if backend == "postgres" else None
+    config = Config(path=db, database_url=url, retention_episodes_days=90,
+                    retention_messages_days=30)
     with Memory(config=config, embedder=embedder) as mem:
         chat = mem.session(user_id="A", session_id="s1")
         chat.add(f"my locker code is {CANARY}")
@@ -77,7 +81,8 @@ def test_retention_removes_each_kind_after_its_days(tmp_path: Path, embedder) ->
         (deleted,) = mem.history(message)
         assert deleted.type is EventType.DELETE
         assert deleted.reason == "retention: messages kept 30 days"
-        assert occurrences(db, CANARY) == 0
+        if url is None:
+            assert occurrences(db, CANARY) == 0
         assert mem.get(episode.id) and mem.get(fact.id)
         assert mem.stats(user_id="A").retention == {"episodes": 90, "messages": 30, "facts": None,
                                                     "removed": 2}
