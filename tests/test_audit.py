@@ -30,7 +30,9 @@ def test_every_memory_call_is_audited_without_text_or_key(tmp_path: Path, embedd
                         json={"query": CANARY, "user_id": "u1"}).status_code == 200
         assert svc.call("a-member", "GET", f"/v1/memories/{mid}").status_code == 200
         assert svc.call("b-member", "GET", f"/v1/memories/{mid}").status_code == 404
-        assert svc.call("a-admin", "POST", "/v1/erase", json={"user_id": "u1"}).status_code == 200
+        erased = svc.call("a-admin", "POST", "/v1/erase", json={"user_id": "u1"})
+        assert erased.status_code == 200
+        assert erased.json()["erased"] == 1 and erased.json()["receipt"]["by_kind"] == {"episodic": 1}
 
         mcp = svc.call("a-member", "POST", "/mcp", headers={
             "Accept": "application/json, text/event-stream"}, json={
@@ -61,6 +63,7 @@ def test_every_memory_call_is_audited_without_text_or_key(tmp_path: Path, embedd
         receipts = svc.call("a-admin", "GET", "/v1/receipts").json()["receipts"]
         assert [(r["target"], r["memories"], r["scope"]["user_id"]) for r in receipts] == [
             ("scope", 1, "u1")]
+        assert receipts[0] == erased.json()["receipt"]  # retrievable later, the same
         assert svc.call("a-member", "GET", "/v1/receipts").status_code == 403
 
         secrets = list(svc.tokens.values())

@@ -191,7 +191,8 @@ def memory_history(id: MemoryId, ctx: Context) -> Any:
 def erase(body: EraseIn, ctx: Context) -> Any:
     """GDPR erasure of one memory or a whole scope (user, agent, session): every trace goes."""
     require_admin(ctx.principal, "erase")
-    return {"erased": ctx.mem.erase(id=body.id, **body.scope())}
+    receipt = ctx.mem.erase_receipt(id=body.id, **body.scope())
+    return {"erased": receipt.memories, "receipt": receipt.to_dict()}
 
 
 @router.get("/jobs/{id}", response_model=JobOut, tags=["jobs"], responses=_errors(404))

@@ -219,6 +219,9 @@ class HistoryOut(BaseModel):
 
 class EraseOut(BaseModel):
     erased: int
+    receipt: dict[str, Any] | None = Field(
+        default=None, description="What was removed: counts by kind, sessions, jobs, scope, "
+                                  "time and a SHA-256 of the erased ids; never content.")
 
 
 class ImportOut(BaseModel):
