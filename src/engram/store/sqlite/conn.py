@@ -47,11 +47,12 @@ def cipher() -> ModuleType:
 
 
 def header(path: Path) -> bytes:
-    """The first 16 bytes of the file (b"" when it does not exist yet)."""
+    """The first 16 bytes of the file (b"" when it does not exist yet, or cannot be read:
+    opening it then fails with the driver's own error)."""
     try:
         with open(path, "rb") as f:
             return f.read(16)
-    except FileNotFoundError:
+    except OSError:
         return b""
 
 
