@@ -17,16 +17,14 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from cryptography import x509  # the dev extra installs it
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from psycopg.conninfo import conninfo_to_dict
 
 from engram import Config, Memory, StoreError
 from pg_server import PG
-
-cryptography = pytest.importorskip("cryptography")  # noqa: F841 (the dev extra installs it)
-from cryptography import x509  # noqa: E402
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import NameOID  # noqa: E402
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
