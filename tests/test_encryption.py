@@ -177,3 +177,39 @@ def test_the_service_encrypts_every_tenant_and_its_audit_log(tmp_path: Path, emb
             assert not db.read_bytes().startswith(b"SQLite format 3")
         # keys.db holds only key digests, tenants and names (no memory): plain by design
         assert (data / "keys.db").read_bytes().startswith(b"SQLite format 3")
+
+
+def test_encrypt_rekey_receipts_and_audit_from_the_shell(tmp_path: Path, embedder,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from engram.cli import app
+
+    db = tmp_path / "cli.db"
+    with Memory(db, embedder=embedder) as mem:
+        mem.add(f"kept {CANARY}", user_id="A")
+        mem.add("erased soon", user_id="B")
+    monkeypatch.setattr("engram.providers.embedders.get_embedder", lambda name: embedder)
+
+    def run(*args: str, key: str | None = KEY, code: int = 0) -> str:
+        env = {"ENGRAM_ENCRYPTION_KEY": key} if key else {}
+        result = CliRunner(env=env).invoke(app, ["--db", str(db), *args])
+        assert result.exit_code == code, result.output
+        return result.output
+
+    out = json.loads(run("encrypt", "--json"))
+    assert Path(out["plain_backup"]).exists()
+    Path(out["plain_backup"]).unlink()
+    assert occurrences(files(db), CANARY) == 0
+    assert "encrypted (or is not an SQLite database)" in run("stats", key=None, code=3)
+    (tmp_path / "new-key").write_text("the new key\n")
+    assert "new key" in run("rekey", "--new-key-file", str(tmp_path / "new-key"))
+    assert "wrong encryption key" in run("stats", code=3)
+    assert json.loads(run("erase", "-u", "B", "--yes", "--json", key="the new key"))["erased"] == 1
+    (receipt,) = json.loads(run("receipts", "--json", key="the new key"))
+    assert (receipt["target"], receipt["memories"], receipt["scope"]["user_id"]) == ("scope", 1, "B")
+    assert "nothing has outlived" in run("retain", key="the new key")
+    assert json.loads(run("audit", "--json", key="the new key")) == []  # no service ran here
+    assert "integrity ok" in run("check", key="the new key")
