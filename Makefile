@@ -8,8 +8,8 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
-	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction clean \
-	console-shots
+	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction \
+	bench-encryption console-shots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -57,6 +57,9 @@ bench-load: dev
 
 bench-redaction: install
 	$(PY) bench/redaction.py
+
+bench-encryption: install
+	$(PY) bench/encryption.py
 
 bench-updates: install
 	$(PY) bench/updates.py

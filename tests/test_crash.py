@@ -1,5 +1,6 @@
 """Crash safety: a writer SIGKILLed at random moments never loses an acknowledged write and
-never leaves a half-written one, on SQLite and on PostgreSQL.
+never leaves a half-written one: 1,000 kills on SQLite, 1,000 on an encrypted SQLite
+(SQLCipher), 200 on PostgreSQL.
 
 A child process writes through `engram.Memory` (adds, facts, updates, deletes, erases) and
 prints each id once `add` has returned; it is killed at a random moment; then the database is
@@ -21,19 +22,25 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-KILLS = 200  # per backend
+from engram.store.sqlite.conn import connect
+
+KILLS = {"sqlite": 1000, "sqlite-encrypted": 1000, "postgres": 200}
+INTEGRITY_EVERY = 25  # kills between full `integrity_check`s (and after the last one)
+KEY = "crash test key"
 
 CHILD = textwrap.dedent(r'''
     import hashlib, os, random, signal, sys
     import numpy as np
     from engram import Config, Memory
     from engram.errors import EngramError
+    from engram.store.sqlite.conn import header, key_literal
 
     class Tiny:
         """Deterministic bag-of-words vectors: enough for consolidation to find neighbours."""
@@ -80,15 +87,19 @@ CHILD = textwrap.dedent(r'''
                 mine.append(rec.id)
                 print(rec.id, flush=True)
 
-    for line in sys.stdin:  # "<seed> <db path> <database url or ->"
-        seed, path, url = line.split()
+    for line in sys.stdin:  # "<seed> <db path> <database url or -> <encryption key or ->"
+        seed, path, url, key = line.split()
+        key = None if key == "-" else key.replace("+", " ")
+        if key is not None:  # derive the file's key once here: every child inherits it
+            key_literal(key, header(path))
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(r)
             os.dup2(w, 1)  # the child's stdout: one write per acknowledged id (atomic on a pipe)
             sys.stdin.close()
-            work(int(seed), Config.from_env(path=path, database_url=None if url == "-" else url))
+            work(int(seed), Config.from_env(path=path, database_url=None if url == "-" else url,
+                                            encryption_key=key))
             os._exit(0)
         os.close(w)
         print("pid", pid, flush=True)
@@ -127,11 +138,12 @@ class Zygote:
         return tag, value
 
     def run_and_kill(self, seed: int, path: Path, url: str | None, delay: float,
-                     after_first_ack: bool) -> set[str]:
+                     after_first_ack: bool, key: str | None = None) -> set[str]:
         """Start a writer, kill it `delay` seconds in (counted from its first acknowledged
         write, or from its start), and return the ids it acknowledged."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{seed} {path} {url or '-'}\n".encode())
+        wire_key = key.replace(" ", "+") if key else "-"
+        self.proc.stdin.write(f"{seed} {path} {url or '-'} {wire_key}\n".encode())
         self.proc.stdin.flush()
         tag, pid = self._line()
         assert tag == "pid"
@@ -173,9 +185,12 @@ ORPHANS = {
 }
 
 
-def sqlite_check(path: Path) -> tuple[set[str], dict[str, int]]:
-    with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+def sqlite_check(path: Path, key: str | None = None,
+                 integrity: bool = True) -> tuple[set[str], dict[str, int]]:
+    opened = connect(path, key) if key else sqlite3.connect(path)
+    with closing(opened) as conn:
+        if integrity:
+            assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'memories'").fetchone():
             return set(), {}  # killed before the first migration committed
         ids = {r[0] for r in conn.execute("SELECT id FROM memories")}
@@ -185,7 +200,7 @@ def sqlite_check(path: Path) -> tuple[set[str], dict[str, int]]:
     return ids, bad
 
 
-def postgres_check(url: str) -> tuple[set[str], dict[str, int]]:
+def postgres_check(url: str, integrity: bool = True) -> tuple[set[str], dict[str, int]]:
     with psycopg.connect(url) as conn:
         conn.execute("SELECT set_config('engram.tenant', '', true)")
         if conn.execute("SELECT to_regclass('memories')").fetchone() == (None,):
@@ -204,15 +219,26 @@ def zygote() -> Iterator[Zygote]:
     z.close()
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, str | None, Callable[[], Any]]:
+@dataclass
+class Target:
+    name: str
+    path: Path
+    url: str | None
+    key: str | None
+    check: Callable[[bool], tuple[set[str], dict[str, int]]]
+
+
+@pytest.fixture(params=sorted(KILLS))
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
     path = tmp_path / "crash.db"
-    if request.param == "sqlite":
-        return path, None, lambda: sqlite_check(path)
+    if request.param.startswith("sqlite"):
+        key = KEY if request.param == "sqlite-encrypted" else None
+        return Target(request.param, path, None, key,
+                      lambda integrity: sqlite_check(path, key, integrity))
     pg = request.getfixturevalue("pg_server")
     url = pg.url(pg.create_database())
     request.addfinalizer(lambda: _drop(pg, url))
-    return path, url, lambda: postgres_check(url)
+    return Target(request.param, path, url, None, lambda integrity: postgres_check(url, integrity))
 
 
 def _drop(pg: Any, url: str) -> None:
@@ -222,16 +248,23 @@ def _drop(pg: Any, url: str) -> None:
 
 @pytest.mark.slow
 def test_sigkill_never_loses_an_acknowledged_write_nor_leaves_half_of_one(
-        zygote: Zygote, target: tuple[Path, str | None, Callable[[], Any]]) -> None:
-    path, url, check = target
+        zygote: Zygote, target: Target) -> None:
     rng = random.Random(20261129)
     acked: set[str] = set()
-    for i in range(KILLS):
+    kills = KILLS[target.name]
+    started = time.monotonic()
+    for i in range(kills):
         # Most kills land mid-stream; one in ten during start-up (opening, migrating).
         early = i % 10 == 0
-        acked |= zygote.run_and_kill(i, path, url, rng.uniform(0.0, 0.01 if early else 0.06),
-                                     after_first_ack=not early)
-        ids, bad = check()
+        acked |= zygote.run_and_kill(i, target.path, target.url,
+                                     rng.uniform(0.0, 0.01 if early else 0.06),
+                                     after_first_ack=not early, key=target.key)
+        ids, bad = target.check(i % INTEGRITY_EVERY == 0 or i == kills - 1)
         assert acked <= ids, f"kill {i}: acknowledged but missing: {sorted(acked - ids)[:5]}"
         assert not any(bad.values()), f"kill {i}: {bad}"
-    assert len(acked) >= KILLS * 9 // 10  # nine kills in ten came after a write was acknowledged
+    assert len(acked) >= kills * 9 // 10  # nine kills in ten came after a write was acknowledged
+    if target.key:  # and the encrypted files never held plaintext: a word every write used
+        raw = b"".join(p.read_bytes() for p in target.path.parent.glob("crash.db*"))
+        assert b"turn about" not in raw and b"likes" not in raw
+    print(f"{target.name}: {kills} kills, {len(acked)} acknowledged writes, all kept, "
+          f"{time.monotonic() - started:.0f}s")

@@ -80,8 +80,12 @@ def test_erase_leaves_an_audit_line_without_the_text(populated) -> None:
                             "WHERE type = 'ERASE'").fetchall()
     assert len(rows) == 1
     typ, uid, before, after, reason = rows[0]
-    assert (typ, uid, before, after) == ("ERASE", "A", None, None)
-    assert CANARY not in (reason or "")
+    assert (typ, uid, before) == ("ERASE", "A", None)
+    assert CANARY not in (reason or "") and CANARY not in after  # the receipt: counts only
+    (receipt,) = mem.receipts(user_id="A")
+    assert (receipt.target, receipt.memories, receipt.scope.user_id) == ("scope", 6, "A")
+    assert receipt.by_kind == {"episodic": 5, "semantic": 1}
+    assert CANARY not in str(receipt.to_dict())
 
 
 def test_erase_one_memory_by_id(tmp_path: Path, embedder) -> None:
@@ -241,3 +245,40 @@ def test_erasing_a_message_drops_the_payload_of_the_request_that_added_it(tmp_pa
         # the other request still replays
         assert [m.id for m in mem.add("something else", user_id="D",
                                       idempotency_key="k2").memories] == [kept.id]
+
+
+def test_every_erase_path_removes_the_job_rows(tmp_path: Path, embedder) -> None:
+    """A job's payload holds the request's text: erasing a memory by id, deleting a session
+    and erasing a scope each remove the job rows (not only their payloads), so the job is
+    unknown afterwards and no text stays in the jobs table."""
+    db = tmp_path / "jobs.db"
+    with Memory(db, embedder=embedder) as mem:
+        by_id = mem.add(f"my pin is {CANARY}", user_id="E", background=True, infer=False).job
+        assert by_id is not None and mem.wait(by_id.id, timeout=60).status.value == "done"
+        (pin,) = mem.job(by_id.id).result["memories"]
+        s = mem.session(user_id="E", session_id="s1")
+        in_session = mem.add(f"session {OTHER_CANARY}", user_id="E", session_id="s1",
+                             background=True, infer=False).job
+        assert in_session is not None
+        mem.wait(in_session.id, timeout=60)
+        scoped = mem.add("scoped xylophone", user_id="F", background=True, infer=False).job
+        assert scoped is not None
+        mem.wait(scoped.id, timeout=60)
+
+        assert mem.erase(id=pin) == 1
+        with pytest.raises(NotFound):
+            mem.job(by_id.id)
+        assert occurrences(db, CANARY) == 0
+
+        s.delete()
+        with pytest.raises(NotFound):
+            mem.job(in_session.id)
+        assert occurrences(db, OTHER_CANARY) == 0
+
+        assert mem.erase(user_id="F") == 1
+        with pytest.raises(NotFound):
+            mem.job(scoped.id)
+        assert [(r.target, r.jobs) for r in mem.receipts(user_id="E")] == [("session", 1),
+                                                                          ("memory", 1)]
+        with closing(sqlite3.connect(db)) as conn:
+            assert conn.execute("SELECT count(*) FROM jobs").fetchone()[0] == 0

@@ -23,7 +23,7 @@ import engram
 
 SRC = Path(engram.__file__).resolve().parent
 
-PUBLIC = {"engram.errors", "engram.config", "engram.model", "engram.working",
+PUBLIC = {"engram.errors", "engram.config", "engram.model", "engram.working", "engram.backup",
           "engram.working.policies", "engram.providers.embedders", "engram.providers.llms"}
 FACES: dict[str, set[str]] = {  # face -> what it may import besides PUBLIC and itself
     "engram.cli": {"engram.server", "engram.mcp"},

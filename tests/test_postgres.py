@@ -502,7 +502,8 @@ def test_memory_on_postgres_end_to_end(db: str, embedder: Any) -> None:
         with pytest.raises(NotFound):
             mem.get(fact.id)
         (erased,) = mem.history(fact.id)  # only the ERASE event remains, without the text
-        assert erased.type is EventType.ERASE and erased.before is None and erased.after is None
+        assert erased.type is EventType.ERASE and erased.before is None
+        assert erased.after is not None and erased.after["memories"] == 1  # its receipt: counts
         assert mem.search("peanuts shellfish", user_id="ana", kinds=["semantic"]) == []
         with psycopg.connect(db) as conn:  # no trace of the text in any table, as SQL sees it
             conn.execute("SELECT set_config('engram.tenant', '', true)")

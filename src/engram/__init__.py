@@ -13,6 +13,7 @@ from .config import Config
 from .context import Context
 from .errors import (
     Conflict,
+    EncryptionError,
     EngramError,
     InProgress,
     InvalidFilter,
@@ -41,6 +42,7 @@ from .model import (
     MemoryRecord,
     Message,
     Page,
+    Receipt,
     Scope,
     Session,
 )
@@ -60,6 +62,7 @@ __all__ = [
     "Config",
     "Conflict",
     "Context",
+    "EncryptionError",
     "EngramError",
     "Event",
     "EventType",
@@ -82,6 +85,7 @@ __all__ = [
     "NotFound",
     "Page",
     "ProviderError",
+    "Receipt",
     "RetrievalConfig",
     "Scope",
     "Session",

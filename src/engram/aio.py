@@ -17,7 +17,20 @@ from typing import Any, ParamSpec, TypeVar
 from .config import Config
 from .context import Block, Context
 from .memory import Memory
-from .model import UNSET, AddResult, Event, Hit, Job, JobStatus, Kind, MemoryRecord, Page, Session, Unset
+from .model import (
+    UNSET,
+    AddResult,
+    Event,
+    Hit,
+    Job,
+    JobStatus,
+    Kind,
+    MemoryRecord,
+    Page,
+    Receipt,
+    Session,
+    Unset,
+)
 from .pipeline.retrieve import RetrievalConfig
 from .providers.embedders import Embedder
 from .providers.llms import LLM
@@ -96,6 +109,19 @@ class AsyncMemory:
                     agent_id: str | None = None, session_id: str | None = None) -> int:
         return await _in_thread(self.sync.erase, id=id, user_id=user_id, agent_id=agent_id,
                                 session_id=session_id)
+
+    async def erase_receipt(self, *, id: str | None = None, user_id: str | None = None,
+                            agent_id: str | None = None, session_id: str | None = None) -> Receipt:
+        return await _in_thread(self.sync.erase_receipt, id=id, user_id=user_id,
+                                agent_id=agent_id, session_id=session_id)
+
+    async def receipts(self, *, user_id: str | None = None, agent_id: str | None = None,
+                       session_id: str | None = None, limit: int = 50) -> builtins.list[Receipt]:
+        return await _in_thread(self.sync.receipts, user_id=user_id, agent_id=agent_id,
+                                session_id=session_id, limit=limit)
+
+    async def retain(self, *, now: datetime | None = None) -> Receipt | None:
+        return await _in_thread(self.sync.retain, now=now)
 
     async def get(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,
                   session_id: str | None = None) -> MemoryRecord:

@@ -6,7 +6,9 @@ of `os.environ`.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,18 @@ from .redact import Policy as RedactPolicy
 LLM_STRUCTURED = ("auto", "json_schema", "json_object_schema", "json_object", "prompt")
 # the redaction policies (engram.redact.Policy)
 REDACT_POLICIES = tuple(p.value for p in RedactPolicy)
+# the kinds a retention policy names (Config.retention)
+RETENTION_KINDS = ("episodes", "messages", "facts")
+
+
+def _days(value: str, var: str) -> float | None:
+    """A retention in days from the environment: a number, or `keep` / `none` (kept)."""
+    if value.strip().lower() in ("keep", "none", "forever"):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidInput(f"{var}={value!r} must be a number of days or 'keep'") from None
 
 
 def default_db_path() -> Path:
@@ -93,6 +107,73 @@ class Config:
                                f"not {self.redact!r} (ENGRAM_REDACT)")
     # -- end of redaction ---------------------------------------------------------------------------
 
+    # -- Trust: encryption at rest and retention (docs/security.md) ---------------------------------
+    # With a key (ENGRAM_ENCRYPTION_KEY, or the first line of ENGRAM_ENCRYPTION_KEY_FILE) every
+    # SQLite database is opened through SQLCipher: the file, its WAL and its shm hold ciphertext.
+    encryption_key: str | None = field(default=None, repr=False)
+    # Retention in days per kind (None: kept): episodes (every stored message), session messages
+    # (episodes of a session; the shorter of the two applies to them) and facts (semantic and
+    # procedural memories). `retention_tenants` overrides them per tenant of the service:
+    # {"acme": {"episodes": 30, "facts": null}}. The worker enforces them.
+    retention_episodes_days: float | None = None
+    retention_messages_days: float | None = None
+    retention_facts_days: float | None = None
+    retention_tenants: dict[str, dict[str, float | None]] = field(default_factory=dict)
+
+    @staticmethod
+    def _trust_env(env: Mapping[str, str]) -> dict[str, Any]:
+        """The ENGRAM_ENCRYPTION_* and ENGRAM_RETENTION_* variables, as Config fields."""
+        values: dict[str, Any] = {}
+        key, key_file = env.get("ENGRAM_ENCRYPTION_KEY"), env.get("ENGRAM_ENCRYPTION_KEY_FILE")
+        if key and key_file:
+            raise InvalidInput("set ENGRAM_ENCRYPTION_KEY or ENGRAM_ENCRYPTION_KEY_FILE, not both")
+        if key_file:
+            try:
+                key = Path(key_file).expanduser().read_text(encoding="utf-8").splitlines()[0]
+            except (OSError, UnicodeDecodeError, IndexError) as exc:
+                raise InvalidInput(f"ENGRAM_ENCRYPTION_KEY_FILE={key_file!r} cannot be read "
+                                   f"(or is empty): {exc}") from None
+        if key:
+            values["encryption_key"] = key
+        for name, var in (("retention_episodes_days", "ENGRAM_RETENTION_EPISODES"),
+                          ("retention_messages_days", "ENGRAM_RETENTION_MESSAGES"),
+                          ("retention_facts_days", "ENGRAM_RETENTION_FACTS")):
+            if env.get(var):
+                values[name] = _days(env[var], var)
+        if env.get("ENGRAM_RETENTION_TENANTS"):
+            try:
+                values["retention_tenants"] = json.loads(env["ENGRAM_RETENTION_TENANTS"])
+            except json.JSONDecodeError as exc:
+                raise InvalidInput(f"ENGRAM_RETENTION_TENANTS is not valid JSON: {exc}") from None
+        return values
+
+    def _trust_validated(self) -> None:
+        if self.encryption_key is not None and not self.encryption_key.strip():
+            raise InvalidInput("the encryption key must not be empty")
+        tenants = self.retention_tenants
+        if not isinstance(tenants, dict) or not all(
+                isinstance(t, str) and isinstance(p, dict) for t, p in tenants.items()):
+            raise InvalidInput('retention_tenants must map tenants to {"episodes": days, ...}')
+        for policy in [{k: getattr(self, f"retention_{k}_days") for k in RETENTION_KINDS},
+                       *tenants.values()]:
+            for kind, days in policy.items():
+                if kind not in RETENTION_KINDS:
+                    raise InvalidInput(f"retention kind must be one of {', '.join(RETENTION_KINDS)}, "
+                                       f"not {kind!r}")
+                if days is not None and (isinstance(days, bool) or not isinstance(days, int | float)
+                                         or not 0 < days < 1e6):
+                    raise InvalidInput(f"retention of {kind} must be a positive number of days "
+                                       f"or null (kept), not {days!r}")
+
+    def retention(self, tenant: str | None = None) -> dict[str, float | None]:
+        """The retention in days per kind (None: kept) of a tenant (None: the default)."""
+        policy: dict[str, float | None] = {
+            k: getattr(self, f"retention_{k}_days") for k in RETENTION_KINDS}
+        if tenant is not None:
+            policy.update(self.retention_tenants.get(tenant, {}))
+        return policy
+    # -- end of trust ---------------------------------------------------------------------------------
+
     @classmethod
     def from_env(cls, **overrides: Any) -> Config:
         env = os.environ
@@ -135,6 +216,7 @@ class Config:
                     raise InvalidInput(f"{key}={env[key]!r} is not a valid {conv.__name__}") from exc
         if env.get("ENGRAM_LOG_LEVEL"):
             values["log_level"] = env["ENGRAM_LOG_LEVEL"]
+        values.update(cls._trust_env(env))  # encryption and retention
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "path" in values:
             values["path"] = Path(values["path"]).expanduser()
@@ -166,4 +248,5 @@ class Config:
             raise InvalidInput(f"llm_structured must be one of {', '.join(LLM_STRUCTURED)}")
         self._pg_validated()  # PostgreSQL tuning
         self._redact_validated()  # redaction on write
+        self._trust_validated()  # encryption and retention
         return self

@@ -10,7 +10,9 @@
     ├── InProgress            the first request under an idempotency key is still running
     ├── StoreError            the database failed; the write did not happen
     │   ├── StoreBusy         the database stayed locked past the retry budget
-    │   └── StoreUnavailable  the database cannot be reached (retry later)
+    │   ├── StoreUnavailable  the database cannot be reached (retry later)
+    │   └── EncryptionError   the encryption key is missing or wrong, or the file is not
+    │                         encrypted as configured (retrying will not help)
     └── ProviderError         an embedder / model could not be loaded or failed
         ├── LLMUnavailable    the LLM endpoint could not be reached or kept failing (5xx, 429)
         │   └── LLMTimeout    ... or gave no answer within the timeout
@@ -79,6 +81,12 @@ class StoreBusy(StoreError):
 
 class StoreUnavailable(StoreError):
     """The database cannot be reached (down, restarting, network): retry later."""
+
+
+class EncryptionError(StoreError):
+    """The database cannot be opened as configured: encrypted but no key (or the wrong one)
+    was given, or a key was given for a plain database (`engram encrypt` converts it). Nothing
+    was read or written: a wrong key never shows an empty database."""
 
 
 class ProviderError(EngramError):

@@ -23,7 +23,7 @@ from . import validate as valid
 from .errors import Conflict, EngramError, InProgress, InvalidInput, KeyReused, NotFound
 from .model import AddResult, Job, JobStatus, Kind, Scope, new_id, utcnow
 from .pipeline import extract as extraction
-from .pipeline import learn, write
+from .pipeline import learn, retention, write
 from .pipeline.engine import Engine
 from .pipeline.write import AddRequest
 
@@ -31,6 +31,7 @@ log = logging.getLogger("engram.memory")
 
 JOB_LEASE_S = 300  # a claimed job whose worker died is run again after this
 RETRY_AFTER_S = 1.0  # the least a caller is asked to wait before asking again
+RETENTION_EVERY_S = 3600.0  # how often an idle worker enforces the retention policy
 
 
 def fingerprint(task: str, payload: Mapping[str, Any]) -> str:
@@ -48,6 +49,9 @@ class Queue:
         self._worker: threading.Thread | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # retention (pipeline/retention.py): the tenant's policy, enforced by the worker
+        self.retention: dict[str, float | None] = {}
+        self._retained_at = 0.0
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -203,6 +207,7 @@ class Queue:
             now = utcnow()
             job = self.engine.store.claim_job(now, now + timedelta(seconds=JOB_LEASE_S))
             if job is None:
+                self._retain()  # when idle: retention (at most every RETENTION_EVERY_S)
                 if until_idle:
                     break
                 stop.wait(poll_s)
@@ -210,6 +215,17 @@ class Queue:
             self.run(job)
             ran += 1
         return ran
+
+    def _retain(self) -> None:
+        if not any(v is not None for v in self.retention.values()):
+            return
+        if time.monotonic() - self._retained_at < RETENTION_EVERY_S and self._retained_at:
+            return
+        self._retained_at = time.monotonic()
+        try:
+            retention.enforce(self.engine, self.retention, utcnow())
+        except EngramError as exc:  # tried again next time
+            log.warning("retention failed: %r", exc)
 
     def run(self, job: Job) -> None:
         """Run one claimed job; it ends done, queued again (with backoff) or failed."""

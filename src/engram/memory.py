@@ -12,6 +12,7 @@ import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -25,17 +26,19 @@ from .model import (
     UNSET,
     AddResult,
     Event,
+    EventType,
     Hit,
     Job,
     JobStatus,
     Kind,
     MemoryRecord,
     Page,
+    Receipt,
     Session,
     Unset,
     utcnow,
 )
-from .pipeline import erase, learn, read, write
+from .pipeline import erase, learn, read, retention, write
 from .pipeline import extract as extraction
 from .pipeline.engine import Engine
 from .pipeline.retrieve import RetrievalConfig
@@ -67,6 +70,7 @@ class Memory:
         self._engine = Engine.build(config, store=store, embedder=embedder, llm=llm,
                                     retrieval=retrieval, tenant=tenant)
         self._queue = jobs.Queue(self._engine)
+        self._queue.retention = config.retention(tenant)  # enforced by the worker
         self._sessions: weakref.WeakSet[SessionHandle] = weakref.WeakSet()
 
     # The engine's parts, for callers that tune or inspect them (benchmarks, tests).
@@ -247,15 +251,28 @@ class Memory:
         history text, and everything derived from them (extracted facts, summaries, session
         rows, job payloads).
 
-        Returns how many memories were erased. The freed bytes are overwritten (secure_delete)
-        and checkpointed out of the write-ahead log.
+        Returns how many memories were erased; `receipts()` has the erasure's receipt. The
+        freed bytes are overwritten (secure_delete) and checkpointed out of the write-ahead log.
         """
+        return self.erase_receipt(id=id, user_id=user_id, agent_id=agent_id,
+                                  session_id=session_id).memories
+
+    def erase_receipt(self, *, id: str | None = None, user_id: str | None = None,
+                      agent_id: str | None = None, session_id: str | None = None) -> Receipt:
+        """`erase`, returning its receipt: what was removed (counts by kind, sessions, jobs),
+        the scope, the time and a SHA-256 of the erased ids; never their content."""
         scope = valid.scope(user_id, agent_id, session_id)
         if id is not None:
             return erase.memory(self._engine, valid.ident(id), scope)
         if scope.is_empty():
             raise InvalidInput("erase needs an id or at least one of user_id, agent_id, session_id")
         return erase.scope(self._engine, scope)
+
+    def receipts(self, *, user_id: str | None = None, agent_id: str | None = None,
+                 session_id: str | None = None, limit: int = 50) -> builtins.list[Receipt]:
+        """The receipts of past erasures (and retention deletes) in a scope, newest first."""
+        return erase.receipts(self.store, valid.scope(user_id, agent_id, session_id),
+                              valid.limit(limit))
 
     # -- read --------------------------------------------------------------------------------
 
@@ -300,7 +317,17 @@ class Memory:
     def stats(self, *, user_id: str | None = None, agent_id: str | None = None,
               session_id: str | None = None) -> Stats:
         """Counts of a scope: memories by kind and state, events, scopes, database size."""
-        return self.store.stats(valid.scope(user_id, agent_id, session_id), utcnow())
+        scope = valid.scope(user_id, agent_id, session_id)
+        found = self.store.stats(scope, utcnow())
+        policy = self._queue.retention
+        removed = self.store.count_events(EventType.DELETE.value, scope, retention.REASON)
+        return replace(found, retention={**policy, "removed": removed})
+
+    def retain(self, *, now: datetime | None = None) -> Receipt | None:
+        """Enforce the retention policy now (the worker does it when idle, hourly): remove
+        what has outlived it, leaving DELETE events with the reason and a receipt (returned;
+        None when nothing had outlived it)."""
+        return retention.enforce(self._engine, self._queue.retention, now or utcnow())
 
     # -- background jobs (jobs.py) -----------------------------------------------------------
 

@@ -124,6 +124,39 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Receipt:
+    """What one erasure removed, kept after the erased content is gone: counts by kind, the
+    scope, when, why, and a SHA-256 of the sorted erased ids (to show later that a given id
+    was among them, without a list of what was there). Never any memory text."""
+
+    id: str
+    at: datetime
+    scope: Scope
+    target: str                  # memory | scope | session | retention
+    memories: int
+    by_kind: dict[str, int]
+    sessions: int
+    jobs: int
+    ids_sha256: str
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "at": self.at.isoformat(), "scope": self.scope.as_dict(),
+                "target": self.target, "memories": self.memories, "by_kind": dict(self.by_kind),
+                "sessions": self.sessions, "jobs": self.jobs, "ids_sha256": self.ids_sha256,
+                "reason": self.reason}
+
+    @classmethod
+    def from_event(cls, e: Event) -> Receipt:
+        """The receipt an ERASE event carries in `after` (older events carry none: counts 0)."""
+        a = e.after or {}
+        return cls(id=e.id, at=e.at, scope=e.scope, target=str(a.get("target", "")),
+                   memories=int(a.get("memories", 0)), by_kind=dict(a.get("by_kind", {})),
+                   sessions=int(a.get("sessions", 0)), jobs=int(a.get("jobs", 0)),
+                   ids_sha256=str(a.get("ids_sha256", "")), reason=e.reason or "")
+
+
+@dataclass(frozen=True)
 class AddResult:
     """What one `add` call did: the memories it touched and the events it wrote."""
 

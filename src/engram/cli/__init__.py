@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from . import chat, demo, jobs, memories, service, sessions, transfer
+from . import chat, demo, jobs, memories, service, sessions, transfer, trust
 from .base import DbOpt, JsonOpt, State
 
 __all__ = ["app"]
@@ -63,3 +63,7 @@ app.add_typer(service.keys_app, name="keys")
 app.command()(service.serve)
 app.add_typer(sessions.app, name="sessions")
 app.command()(chat.chat)
+# trust: backups, encryption at rest, erasure receipts, retention, the audit trail
+for command in (trust.backup, trust.restore, trust.check, trust.encrypt, trust.rekey,
+                trust.receipts, trust.retain, trust.audit):
+    app.command()(command)

@@ -1,18 +1,23 @@
 """Erasure, the one hard delete: of a memory, a scope or a session, with everything derived.
 
 Rows, keys, lexical index and events go; so do the memories derived from them (facts, session
-summaries: their provenance names the erased ids), session rows, job payloads holding the text,
-and the copies of an erased turn in its neighbours' windows. The freed bytes are reclaimed.
+summaries: their provenance names the erased ids), session rows, the job rows whose payloads
+hold the text, and the copies of an erased turn in its neighbours' windows. The freed bytes
+are reclaimed. Each erasure leaves a receipt (`Receipt`, in its ERASE event): counts by kind,
+scope, time and a hash of the erased ids, never their content.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from collections import Counter
 from dataclasses import replace
 
 from .. import validate as valid
 from ..errors import NotFound
-from ..model import Event, EventType, Job, JobStatus, MemoryRecord, Scope, new_id, utcnow
+from ..model import Event, EventType, MemoryRecord, Receipt, Scope, new_id, utcnow
 from ..store import Store, Tx
 from .engine import Engine
 from .index import Keys, followers
@@ -23,7 +28,7 @@ PAGE = 500
 JOBS_SCANNED = 100_000  # jobs of a scope looked at for payloads to drop
 
 
-def memory(engine: Engine, id: str, within: Scope) -> int:
+def memory(engine: Engine, id: str, within: Scope) -> Receipt:
     """Erase one memory of the scope `within` (deleted or not; NotFound if there is none) and
     what was derived from it. Its session's summaries may quote it: they are reset, to be
     rebuilt from what remains."""
@@ -33,14 +38,14 @@ def memory(engine: Engine, id: str, within: Scope) -> int:
     return _erase(engine, [rec.id], rec.scope, followers(engine, rec, None), single=rec.id)
 
 
-def scope(engine: Engine, scope: Scope) -> int:
+def scope(engine: Engine, scope: Scope) -> Receipt:
     """Erase every memory of `scope` (None fields match anything), its sessions and jobs.
     Every episode's context lies within its own scope, so no surviving turn holds an erased
     one."""
     return _erase(engine, engine.store.ids(scope, include_deleted=True), scope, [])
 
 
-def session(engine: Engine, scope: Scope) -> int:
+def session(engine: Engine, scope: Scope) -> Receipt:
     """Erase one session: the memories of exactly its scope (None is "none" here: the session
     of ana alone is not ana's session with an agent), its row and its jobs. NotFound when
     there is no such session."""
@@ -53,13 +58,14 @@ def session(engine: Engine, scope: Scope) -> int:
 
 
 def _erase(engine: Engine, ids: list[str], scope: Scope, moved: list[tuple[MemoryRecord, Keys]],
-           *, single: str | None = None, exact: bool = False) -> int:
+           *, single: str | None = None, exact: bool = False) -> Receipt:
     store = engine.store
     # What was derived from the erased memories goes too: facts extracted from them and
     # summaries of them (their provenance names the erased ids), wherever they are stored.
     ids = [*ids, *derived(store, set(ids), scope)]
     gone = set(ids)
     moved = [(r, keys) for r, keys in moved if r.id not in gone]
+    kinds = Counter(r.kind.value for r in _records(store, ids).values())
     now = utcnow()
     with store.write() as tx:
         tx.erase(ids)
@@ -68,18 +74,45 @@ def _erase(engine: Engine, ids: list[str], scope: Scope, moved: list[tuple[Memor
         if single is not None:
             if scope.session_id is not None:
                 reset_summaries(store, tx, scope)  # rebuilt from the messages that remain
-            _drop_payloads(store, tx, scope, gone, naming=True)
+            jobs = _drop_jobs(store, tx, scope, gone, naming=True)
+            sessions = 0
         elif exact:
+            sessions = int(store.session(scope) is not None)
             tx.delete_session(scope)
-            _drop_payloads(store, tx, scope, gone, naming=False)
+            jobs = _drop_jobs(store, tx, scope, gone, naming=False)
         else:
+            sessions = len(store.sessions(scope, limit=JOBS_SCANNED))
+            jobs = len(store.jobs(scope, limit=JOBS_SCANNED))
             tx.erase_scope(scope)  # sessions (their summaries) and jobs (their payloads)
         reason = f"session deleted: {len(ids)} memories" if exact else f"erased {len(ids)} memories"
-        tx.append(Event(id=new_id(), memory_id=single, type=EventType.ERASE, at=now, scope=scope,
-                        reason=reason))
+        receipt = Receipt(id=new_id(), at=now, scope=scope,
+                          target="memory" if single else "session" if exact else "scope",
+                          memories=len(ids), by_kind=dict(sorted(kinds.items())),
+                          sessions=sessions, jobs=jobs, ids_sha256=ids_digest(ids), reason=reason)
+        tx.append(receipt_event(receipt, single))
     store.reclaim()
-    log.info("erased %d memories (%s)", len(ids), f"id {single}" if single else scope)
-    return len(ids)
+    log.info("erased %d memories (%s): receipt %s", len(ids), f"id {single}" if single else scope,
+             json.dumps({k: v for k, v in receipt.to_dict().items() if k != "scope"}))
+    return receipt
+
+
+def ids_digest(ids: list[str]) -> str:
+    """SHA-256 of the sorted ids, one per line: whoever holds an id list can check it against
+    a receipt; the receipt alone does not list them."""
+    return hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()
+
+
+def receipt_event(receipt: Receipt, memory_id: str | None) -> Event:
+    """The ERASE event that keeps a receipt (its `after`: counts, never content)."""
+    body = receipt.to_dict()
+    after = {k: body[k] for k in ("target", "memories", "by_kind", "sessions", "jobs", "ids_sha256")}
+    return Event(id=receipt.id, memory_id=memory_id, type=EventType.ERASE, at=receipt.at,
+                 scope=receipt.scope, after=after, reason=receipt.reason)
+
+
+def receipts(store: Store, scope: Scope, limit: int) -> list[Receipt]:
+    """The receipts of the erasures in `scope` (None fields match anything), newest first."""
+    return [Receipt.from_event(e) for e in store.events_of(EventType.ERASE.value, scope, limit=limit)]
 
 
 def derived(store: Store, erased: set[str], scope: Scope) -> list[str]:
@@ -115,25 +148,16 @@ def reset_summaries(store: Store, tx: Tx, scope: Scope) -> bool:
     return True
 
 
-def _drop_payloads(store: Store, tx: Tx, scope: Scope, erased: set[str], *, naming: bool) -> None:
-    """Jobs keep their request (an add's messages) as payload. Drop the payload of each job
-    of exactly `scope` (`naming=False`), or of the jobs whose result names an erased memory.
-    A job of an erased session also gives up its idempotency key and never runs: its work is
-    gone with the rest of the session."""
-    for job in store.jobs(scope, limit=JOBS_SCANNED):
-        if naming:
-            if not erased.intersection((job.result or {}).get("memories", [])):
-                continue
-            tx.put_job(replace(job, payload={}, updated_at=utcnow()))
-        elif job.scope == scope:
-            tx.put_job(_retired(job))
-
-
-def _retired(job: Job) -> Job:
-    status = job.status if job.status in (JobStatus.DONE, JobStatus.FAILED) else JobStatus.FAILED
-    return replace(job, payload={}, result=None, key=None, fingerprint=None, status=status,
-                   error="erased with its session" if status is JobStatus.FAILED else job.error,
-                   lease_until=None, updated_at=utcnow())
+def _drop_jobs(store: Store, tx: Tx, scope: Scope, erased: set[str], *, naming: bool) -> int:
+    """Jobs keep their request (an add's messages) as payload: remove the rows of the jobs of
+    exactly `scope` (`naming=False`, a session), or of the jobs whose result names an erased
+    memory (its request held the text). The row goes, not only the payload: the job is
+    unknown afterwards (404), and its idempotency key is free for new work."""
+    doomed = [job.id for job in store.jobs(scope, limit=JOBS_SCANNED)
+              if (erased.intersection((job.result or {}).get("memories", [])) if naming
+                  else job.scope == scope)]
+    tx.delete_jobs(doomed)
+    return len(doomed)
 
 
 def _records(store: Store, ids: list[str]) -> dict[str, MemoryRecord]:

@@ -25,6 +25,7 @@ from .. import Memory, __version__
 from ..config import Config
 from ..errors import EngramError
 from ..providers.embedders import Embedder, get_embedder
+from . import audit
 from .auth import Authenticator
 from .docs import add_docs
 from .errors import ServiceError, error_response, from_engram_error, validation_message
@@ -87,6 +88,7 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     app.state.metrics = metrics
     app.include_router(router)
     mount_console(app)  # the memory console at /ui: the same keys, tenants and Memory methods
+    audit.install(app, config)  # the audit trail: every memory call, and GET /v1/audit
     add_docs(app)
     _add_probes(app, key_store, tenants)
     _add_error_handlers(app)

@@ -14,6 +14,7 @@ stable code, and each engram error maps to the HTTP status that tells a client w
     rate_limited         429     the tenant's request budget is spent; see Retry-After
     store_busy           503     the database stayed locked; retry after Retry-After
     store_unavailable    503     the database cannot be reached; retry after Retry-After
+    store_misconfigured  500     the database's encryption key is missing or wrong (operator)
     provider_error       502     the embedder or LLM failed
     internal_error       500     a bug: logged with its traceback, never shown to the client
 """
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse
 
 from ..errors import (
     Conflict,
+    EncryptionError,
     EngramError,
     InProgress,
     InvalidFilter,
@@ -82,6 +84,8 @@ def classify(exc: EngramError) -> tuple[int, str, dict[str, str]]:
         return 409, "conflict", {}
     if isinstance(exc, StoreBusy):
         return 503, "store_busy", retry
+    if isinstance(exc, EncryptionError):  # a key the operator must fix: retrying cannot help
+        return 500, "store_misconfigured", {}
     if isinstance(exc, StoreError):
         # Whatever the database said (down, disk full, locked), the write was rolled back and
         # a later retry may succeed: 503 with Retry-After, never a 500.

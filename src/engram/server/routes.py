@@ -28,6 +28,7 @@ from ..model import Kind, Scope, Session
 from ..working import SessionMessage
 from .auth import Principal, require_access, require_admin
 from .errors import ServiceError
+from .guard import PRINCIPAL
 from .ratelimit import retry_after_header
 from .schemas import (
     MAX_ID,
@@ -95,6 +96,7 @@ def _context(request: Request,
     principal = state.auth(request.headers.get("authorization"))
     # the route's template (/v1/memories/{id}), whatever prefix the app is mounted under
     require_access(principal, request.method, getattr(request.scope.get("route"), "path", request.url.path))
+    request.scope[PRINCIPAL] = principal  # for the audit trail (server/audit.py)
     wait = state.limiter.take(principal.bucket)
     if wait > 0:
         raise ServiceError(429, "rate_limited",
@@ -191,7 +193,8 @@ def memory_history(id: MemoryId, ctx: Context) -> Any:
 def erase(body: EraseIn, ctx: Context) -> Any:
     """GDPR erasure of one memory or a whole scope (user, agent, session): every trace goes."""
     require_admin(ctx.principal, "erase")
-    return {"erased": ctx.mem.erase(id=body.id, **body.scope())}
+    receipt = ctx.mem.erase_receipt(id=body.id, **body.scope())
+    return {"erased": receipt.memories, "receipt": receipt.to_dict()}
 
 
 @router.get("/jobs/{id}", response_model=JobOut, tags=["jobs"], responses=_errors(404))

@@ -219,6 +219,9 @@ class HistoryOut(BaseModel):
 
 class EraseOut(BaseModel):
     erased: int
+    receipt: dict[str, Any] | None = Field(
+        default=None, description="What was removed: counts by kind, sessions, jobs, scope, "
+                                  "time and a SHA-256 of the erased ids; never content.")
 
 
 class ImportOut(BaseModel):
@@ -280,6 +283,9 @@ class StatsOut(BaseModel):
     scopes: int
     jobs: dict[str, int] = Field(description="Background jobs by status.")
     db_bytes: int | None = Field(description="Database size, where this scope's share is known.")
+    retention: dict[str, Any] | None = Field(
+        default=None, description="Retention policy in days per kind (null: kept) and how many "
+                                  "memories it has removed in this scope.")
 
 
 class BlockOut(BaseModel):

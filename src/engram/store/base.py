@@ -5,12 +5,12 @@ Reads take a value (`Query`, `Select`) that each backend compiles to its own SQL
 inside `write()`, one transaction that either commits whole or leaves nothing. Everything else
 (consolidation, ranking, forgetting) lives above the store.
 
-A backend implements 15 primitives (`write`, `close`, `migrations`, `read_memories`,
-`read_ids`, `candidates`, `dense`, `lexical`, `events`, `read_jobs`, `claim_job`,
-`read_sessions`, `stats`, `touch`, `reclaim`) and inherits 13 conveniences from `StoreBase`
-(`get`, `select`, `ids`, `find_hash`, `recent_episodes`, `episodes_around`, `eviction_pool`,
-`iter_export`, `job`, `job_by_key`, `jobs`, `session`, `sessions`). Its `Tx` implements the
-nine writes of `Tx`.
+A backend implements 17 primitives (`write`, `close`, `migrations`, `read_memories`,
+`read_ids`, `candidates`, `dense`, `lexical`, `events`, `events_of`, `count_events`,
+`read_jobs`, `claim_job`, `read_sessions`, `stats`, `touch`, `reclaim`) and inherits 13
+conveniences from `StoreBase` (`get`, `select`, `ids`, `find_hash`, `recent_episodes`,
+`episodes_around`, `eviction_pool`, `iter_export`, `job`, `job_by_key`, `jobs`, `session`,
+`sessions`). Its `Tx` implements the ten writes of `Tx`.
 """
 
 from __future__ import annotations
@@ -137,6 +137,7 @@ class Stats:
     scopes: int
     jobs: dict[str, int]
     db_bytes: int | None
+    retention: dict[str, Any] | None = None  # the policy in days and what it removed so far
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -173,6 +174,9 @@ class Tx(Protocol):
 
     def delete_session(self, scope: Scope) -> None:
         """Remove the session row of exactly this scope (its episodes are separate memories)."""
+
+    def delete_jobs(self, ids: Sequence[str]) -> None:
+        """Remove job rows (their payloads hold request text): for an erasure."""
 
     def erase_scope(self, scope: Scope) -> None:
         """Remove sessions and jobs of a scope (None fields match anything): they hold message
@@ -252,6 +256,14 @@ class Store(Protocol):
     def events(self, memory_id: str) -> list[Event]:
         """The history of a memory, in append order."""
 
+    def count_events(self, type: str, scope: Scope, reason_prefix: str) -> int:
+        """How many events of one type in a scope have a reason starting with the prefix
+        (e.g. the DELETE events of retention)."""
+
+    def events_of(self, type: str, scope: Scope, *, limit: int = 50) -> list[Event]:
+        """Events of one type (e.g. ERASE: the erasure receipts) in a scope (None fields match
+        anything), newest first."""
+
     def touch(self, ids: Sequence[str], at: datetime) -> None:
         """Best effort: count an access (never blocks on a busy database)."""
 
@@ -324,6 +336,12 @@ class StoreBase(ABC):
 
     @abstractmethod
     def events(self, memory_id: str) -> list[Event]: ...
+
+    @abstractmethod
+    def events_of(self, type: str, scope: Scope, *, limit: int = 50) -> list[Event]: ...
+
+    @abstractmethod
+    def count_events(self, type: str, scope: Scope, reason_prefix: str) -> int: ...
 
     @abstractmethod
     def read_jobs(self, *, id: str | None = None, key: str | None = None,

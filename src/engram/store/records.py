@@ -257,6 +257,25 @@ def select_events(d: Dialect, tenant: str, memory_id: str) -> Stmt:
             f"ORDER BY e.{d.seq}", w.params)
 
 
+def select_events_of(d: Dialect, tenant: str, type: str, scope: Scope, limit: int) -> Stmt:
+    """Events of one type in a scope (None fields match anything), newest first."""
+    w = Where(d, tenant, "e").add(f"e.type = {d.mark}", type).scope(scope)
+    return (f"SELECT {columns('e', EVENT_COLUMNS)} FROM events e WHERE {w.sql} "
+            f"ORDER BY e.{d.seq} DESC LIMIT {int(limit)}", w.params)
+
+
+def count_events(d: Dialect, tenant: str, type: str, scope: Scope, reason_prefix: str) -> Stmt:
+    """How many events of a type in a scope have a reason starting with `reason_prefix`."""
+    w = Where(d, tenant, "e").add(f"e.type = {d.mark}", type).scope(scope)
+    w.add(f"substr(e.reason, 1, {len(reason_prefix)}) = {d.mark}", reason_prefix)
+    return f"SELECT count(*) FROM events e WHERE {w.sql}", w.params
+
+
+def delete_jobs(d: Dialect, tenant: str, ids: Sequence[str]) -> Stmt:
+    w = Where(d, tenant).one_of("m.id", ids)
+    return f"DELETE FROM jobs AS m WHERE {w.sql}", w.params
+
+
 def read_event(d: Dialect, row: Sequence[Any]) -> Event:
     eid, mid, typ, at, uid, aid, sid, before, after, reason = row
     return Event(id=eid, memory_id=mid, type=EventType(typ), at=d.read_time(at),

@@ -73,6 +73,15 @@ class SQLStore(StoreBase):
         d = self.dialect
         return [r.read_event(d, row) for row in self._read(*r.select_events(d, self.tenant, memory_id))]
 
+    def events_of(self, type: str, scope: Scope, *, limit: int = 50) -> list[Event]:
+        d = self.dialect
+        stmt = r.select_events_of(d, self.tenant, type, scope, limit)
+        return [r.read_event(d, row) for row in self._read(*stmt)]
+
+    def count_events(self, type: str, scope: Scope, reason_prefix: str) -> int:
+        ((n,),) = self._read(*r.count_events(self.dialect, self.tenant, type, scope, reason_prefix))
+        return int(n)
+
     def read_jobs(self, *, id: str | None = None, key: str | None = None,
                   scope: Scope | None = None, status: str | None = None,
                   limit: int | None = None) -> list[Job]:
@@ -129,6 +138,10 @@ class SQLTx:
 
     def delete_session(self, scope: Scope) -> None:
         self._exec(*r.delete_session(self.dialect, self.tenant, scope))
+
+    def delete_jobs(self, ids: Sequence[str]) -> None:
+        for i in range(0, len(ids), self.dialect.chunk):
+            self._exec(*r.delete_jobs(self.dialect, self.tenant, ids[i:i + self.dialect.chunk]))
 
     def erase_scope(self, scope: Scope) -> None:
         for stmt in r.erase_scope(self.dialect, self.tenant, scope):

@@ -411,7 +411,7 @@ class SessionHandle:
         derived from it (facts extracted into the user's scope too). Returns how many memories
         were erased; NotFound if the session does not exist."""
         self.wait()
-        return erase.session(self._engine, self.scope)
+        return erase.session(self._engine, self.scope).memories
 
 
 def open_session(queue: Queue, *, session_id: str | None, user_id: str | None,

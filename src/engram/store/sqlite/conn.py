@@ -1,17 +1,115 @@
 """The one SQLite connection layer: a connection per thread to one file, reads, and write
-transactions that wait out other writers. The store and the service's key store both use it."""
+transactions that wait out other writers. The store and the service's key store both use it.
+
+With a key the file is opened through SQLCipher (`sqlcipher3`, the `encryption` extra): the
+database, its WAL and its shared-memory file hold only ciphertext (docs/security.md)."""
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, cast
 
-from ...errors import StoreBusy, StoreError, StoreUnavailable
+from ...errors import EncryptionError, StoreBusy, StoreError, StoreUnavailable
+
+try:
+    from sqlcipher3 import dbapi2 as _sqlcipher
+except ImportError:  # the encryption extra is not installed: plain databases only
+    _sqlcipher = None
+
+# What either driver raises: the store catches these, never a driver's own class alone.
+DB_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, *((_sqlcipher.Error,) if _sqlcipher else ()))
+BUSY_ERRORS: tuple[type[Exception], ...] = (
+    sqlite3.OperationalError, *((_sqlcipher.OperationalError,) if _sqlcipher else ()))
+
+PLAIN_HEADER = b"SQLite format 3\x00"  # the first bytes of every unencrypted SQLite file
+# SQLCipher 4's key derivation (PBKDF2-HMAC-SHA512, 256,000 rounds over the file's 16-byte
+# salt): done once per file here, so each new connection gives the raw key and skips it.
+KDF_ROUNDS = 256_000
+KEY_HINT = "set ENGRAM_ENCRYPTION_KEY or ENGRAM_ENCRYPTION_KEY_FILE"
+# Derived raw keys by (SHA-256 of the passphrase, file salt): one derivation per file and
+# process, shared by every `Connections` of it (the service's tenants, a CLI command, forked
+# workers). It holds what SQLCipher itself keeps in memory for an open database.
+_DERIVED: dict[tuple[bytes, bytes], str] = {}
+
+
+def cipher() -> ModuleType:
+    """The SQLCipher driver, or a clear error naming the extra that provides it."""
+    if _sqlcipher is None:
+        raise EncryptionError("an encrypted database needs SQLCipher: pip install 'engram[encryption]'")
+    return cast(ModuleType, _sqlcipher)
+
+
+def header(path: Path) -> bytes:
+    """The first 16 bytes of the file (b"" when it does not exist yet, or cannot be read:
+    opening it then fails with the driver's own error)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(16)
+    except OSError:
+        return b""
+
+
+def is_plain(path: Path) -> bool:
+    return header(path) == PLAIN_HEADER
+
+
+def quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def connect(path: Path | str, key: str | None, *, timeout: float = 5.0,
+            uri: bool = False) -> sqlite3.Connection:
+    """One connection to `path` (plain without a key, SQLCipher with one), checked: a wrong or
+    missing key raises `EncryptionError` before anything is read or written."""
+    file = Path(str(path).removeprefix("file:").partition("?")[0]) if uri else Path(path)
+    head = header(file)
+    if key is None:
+        if head and len(head) == 16 and head != PLAIN_HEADER:
+            raise EncryptionError(f"{file} is encrypted (or is not an SQLite database): {KEY_HINT}")
+        return sqlite3.connect(path, timeout=timeout, isolation_level=None,
+                               check_same_thread=False, uri=uri)
+    if head == PLAIN_HEADER:
+        raise EncryptionError(f"{file} is not encrypted but an encryption key is set: "
+                              f"`engram encrypt` encrypts it in place (after a backup)")
+    driver = cipher()
+    conn = cast(sqlite3.Connection, driver.connect(str(path), timeout=timeout, isolation_level=None,
+                                                   check_same_thread=False, uri=uri))
+    try:
+        conn.execute("PRAGMA cipher_log_level = NONE")  # a wrong key is our error, not stderr noise
+        conn.execute(f"PRAGMA key = {key_literal(key, head)}")
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        # temporary tables and sort files stay in memory, never in plain temp files
+        conn.execute("PRAGMA temp_store = MEMORY")
+    except DB_ERRORS as exc:
+        conn.close()
+        if "not a database" in str(exc):
+            raise EncryptionError(f"wrong encryption key for {file} (or it is not an engram "
+                                  f"database)") from None
+        raise StoreUnavailable(f"cannot open {file}: {exc}") from exc
+    return conn
+
+
+def key_literal(key: str, head: bytes) -> str:
+    """The `PRAGMA key` value: the raw key derived here from the file's salt when the file
+    exists (SQLCipher then skips its own derivation), else the passphrase (a new file)."""
+    if len(head) < 16:
+        return quote(key)
+    known = (hashlib.sha256(key.encode()).digest(), head)
+    raw = _DERIVED.get(known)
+    if raw is None:
+        raw = hashlib.pbkdf2_hmac("sha512", key.encode(), head, KDF_ROUNDS, 32).hex()
+        if len(_DERIVED) > 1024:  # many tenants' files: forget the oldest half
+            for old in list(_DERIVED)[:512]:
+                del _DERIVED[old]
+        _DERIVED[known] = raw
+    return f"\"x'{raw}'\""
 
 
 class Connections:
@@ -19,17 +117,23 @@ class Connections:
 
     Writes are `BEGIN IMMEDIATE` transactions: a writer takes the lock up front, so two writers
     never deadlock upgrading a read lock; while another process holds it, the begin is retried
-    with backoff for up to `busy_timeout_s`.
+    with backoff for up to `busy_timeout_s`. With `key`, the file is encrypted (SQLCipher).
     """
 
-    def __init__(self, path: Path, *, busy_timeout_s: float, label: str = "") -> None:
+    def __init__(self, path: Path, *, busy_timeout_s: float, label: str = "",
+                 key: str | None = None) -> None:
         self.path = path
         self.busy_timeout_s = busy_timeout_s
         self.label = label or str(path)
+        self.key = key
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
         self._closed = False
+
+    @property
+    def encrypted(self) -> bool:
+        return self.key is not None
 
     def get(self) -> sqlite3.Connection:
         """This thread's connection, opened on first use."""
@@ -38,15 +142,14 @@ class Connections:
             if self._closed:
                 raise StoreError(f"{self.label} is closed")
             try:
-                conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s,
-                                       isolation_level=None, check_same_thread=False)
+                conn = connect(self.path, self.key, timeout=self.busy_timeout_s)
                 conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
                 conn.execute("PRAGMA journal_mode = WAL")
                 conn.execute("PRAGMA synchronous = FULL")
                 # erased rows are overwritten in the file, not merely unlinked
                 conn.execute("PRAGMA secure_delete = ON")
                 conn.execute("PRAGMA foreign_keys = ON")
-            except sqlite3.Error as exc:
+            except DB_ERRORS as exc:
                 raise StoreUnavailable(f"cannot open {self.label}: {exc}") from exc
             self._local.conn = conn
             with self._lock:
@@ -56,7 +159,7 @@ class Connections:
     def read(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
         try:
             return self.get().execute(sql, params).fetchall()
-        except sqlite3.Error as exc:
+        except DB_ERRORS as exc:
             raise StoreError(f"{self.label}: {exc}") from exc
 
     @contextmanager
@@ -69,7 +172,7 @@ class Connections:
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 break
-            except sqlite3.OperationalError as exc:
+            except BUSY_ERRORS as exc:
                 if "locked" not in str(exc) and "busy" not in str(exc):
                     raise StoreError(f"{self.label}: {exc}") from exc
                 if time.monotonic() > deadline:
@@ -81,7 +184,7 @@ class Connections:
             conn.execute("COMMIT")
         except BaseException as exc:
             conn.execute("ROLLBACK")
-            if isinstance(exc, sqlite3.Error):
+            if isinstance(exc, DB_ERRORS):
                 raise StoreError(f"write failed and was rolled back: {exc}") from exc
             raise
 
@@ -89,9 +192,10 @@ class Connections:
         """Raise StoreUnavailable unless the file can be opened and read now. A fresh
         connection: an open handle keeps answering after the file's directory is gone."""
         try:
-            with closing(sqlite3.connect(f"file:{self.path}?mode=rw", uri=True, timeout=2)) as conn:
+            with closing(connect(f"file:{self.path}?mode=rw", self.key, timeout=2,
+                                 uri=True)) as conn:
                 conn.execute(sql).fetchall()
-        except sqlite3.Error as exc:
+        except DB_ERRORS as exc:
             raise StoreUnavailable(f"{self.label} cannot be read: {exc}") from exc
 
     def close(self) -> None:

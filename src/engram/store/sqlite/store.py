@@ -26,7 +26,7 @@ from .. import records as r
 from ..base import Key, Lexical, Query, Select
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
-from .conn import Connections
+from .conn import BUSY_ERRORS, DB_ERRORS, Connections
 from .slab import Slab
 
 log = logging.getLogger("engram.store")
@@ -38,16 +38,24 @@ class SQLiteStore(SQLStore):
     dialect = sql.DIALECT
     MAX_SLABS = 16
 
-    def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0,
+                 key: str | None = None) -> None:
         self.path = Path(path)
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.busy_timeout_s = busy_timeout_s
-        self._db = Connections(self.path, busy_timeout_s=busy_timeout_s)
+        self._db = Connections(self.path, busy_timeout_s=busy_timeout_s, key=key)
         self._local = threading.local()  # .dirty: this thread's open write changed keys
         self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
         self._slabs_lock = threading.Lock()
         schema.migrate(self._db)
+        if self._db.encrypted:
+            secure_fts_delete(self._db)
+
+    @property
+    def connections(self) -> Connections:
+        """The connection layer (for backup, rekey and integrity checks: store.sqlite.files)."""
+        return self._db
 
     # -- connections and transactions ----------------------------------------------------------
 
@@ -207,7 +215,7 @@ class SQLiteStore(SQLStore):
                 "UPDATE memories SET access_count = access_count + 1, last_accessed_at = ? "
                 f"WHERE id IN ({self.dialect.marks(len(ids))})", [at.timestamp(), *ids])
             conn.execute("COMMIT")
-        except sqlite3.OperationalError as exc:
+        except BUSY_ERRORS as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             log.debug("access tracking skipped: %s", exc)
@@ -234,7 +242,7 @@ class SQLiteStore(SQLStore):
             with self.write() as tx:
                 tx.conn.execute("INSERT INTO memory_fts(memory_fts) VALUES ('optimize')")
             self._db.get().execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as exc:
+        except DB_ERRORS as exc:
             raise StoreError(f"reclaim failed: {exc}") from exc
 
 
@@ -243,10 +251,9 @@ class SQLiteTx(SQLTx):
     their keys; a key change marks the thread dirty, so the dense cache waits for the commit."""
 
     dialect = sql.DIALECT
-    unique_violation = sqlite3.IntegrityError
-
     def __init__(self, conn: sqlite3.Connection, local: threading.local) -> None:
         self.conn = conn
+        self.unique_violation = conn.IntegrityError  # the driver's own (sqlite3 or SQLCipher)
         self.local = local
         self.keys_changed = False
 
@@ -298,6 +305,17 @@ class SQLiteTx(SQLTx):
             self._drop_index(chunk)
             self._exec(f"DELETE FROM events WHERE memory_id IN ({marks})", chunk)
             self._exec(f"DELETE FROM memories WHERE id IN ({marks})", chunk)
+
+
+def secure_fts_delete(db: Connections) -> None:
+    """Turn on FTS5 `secure-delete` (SQLite 3.44+: the SQLCipher build has it, the system
+    SQLite of Python 3.11 may not): a deleted entry's terms are removed from the index's pages
+    at once, not left until the segments merge. Encrypted databases only, since a file with it
+    cannot be written by an older SQLite, and only SQLCipher opens an encrypted file anyway."""
+    on = db.read("SELECT v FROM memory_fts_config WHERE k = 'secure-delete'")
+    if not on or not on[0][0]:
+        with db.transaction() as conn:
+            conn.execute("INSERT INTO memory_fts(memory_fts, rank) VALUES ('secure-delete', 1)")
 
 
 def _chunks(items: Sequence[str], size: int) -> Iterator[list[str]]:

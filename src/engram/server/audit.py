@@ -1,0 +1,281 @@
+"""The audit trail: every call to the service's memory routes (/v1/..., /mcp) is recorded with
+the API key's id (never the key), the tenant, the route template, the scope it named, the
+status and the result's size: a structured log line (logger `engram.audit`) and a row of the
+`audit` table, which an admin reads with `engram audit` or `GET /v1/audit`. Never memory text:
+the scope fields are the only part of a request body that is read.
+
+The table is `audit.db` beside the database (encrypted with the database's key when one is
+set), or `engram_audit` in the PostgreSQL database.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, Protocol
+
+from fastapi import APIRouter, FastAPI, Query
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..config import Config
+from ..model import new_id
+from ..store.sqlite import Connections
+from .auth import Principal, require_admin
+from .guard import PRINCIPAL
+from .routes import COMMON, Context
+
+log = logging.getLogger("engram.audit")
+
+SCOPE_FIELDS = ("user_id", "agent_id", "session_id")
+MAX_SCANNED_BODY = 64 * 1024  # a scope is found in the first 64 KB of a JSON body, or not at all
+MAX_LIMIT = 1000
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One audited call."""
+
+    id: str
+    at: datetime
+    key_id: str | None      # the API key's public id; None with --no-auth
+    tenant: str | None
+    method: str
+    route: str              # the route template (/v1/memories/{id}), never the raw path
+    status: int
+    user_id: str | None
+    agent_id: str | None
+    session_id: str | None
+    result_bytes: int
+    duration_ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["at"] = self.at.isoformat()
+        return out
+
+
+class AuditLog(Protocol):
+    def record(self, entry: Entry) -> None: ...
+
+    def entries(self, *, tenant: str | None, all_tenants: bool = False, key_id: str | None = None,
+                route: str | None = None, limit: int = 100) -> list[Entry]: ...
+
+    def close(self) -> None: ...
+
+
+COLUMNS = ("id", "at", "key_id", "tenant", "method", "route", "status", "user_id", "agent_id",
+           "session_id", "result_bytes", "duration_ms")
+
+
+def _where(mark: str, tenant: str | None, all_tenants: bool, key_id: str | None,
+           route: str | None) -> tuple[str, list[Any]]:
+    parts, params = [], []
+    if not all_tenants:
+        parts.append("tenant IS NULL" if tenant is None else f"tenant = {mark}")
+        params += [] if tenant is None else [tenant]
+    for column, value in (("key_id", key_id), ("route", route)):
+        if value is not None:
+            parts.append(f"{column} = {mark}")
+            params.append(value)
+    return (" AND ".join(parts) or "1 = 1"), params
+
+
+class SQLiteAuditLog:
+    """The audit table in its own SQLite file, over the store's connection layer."""
+
+    def __init__(self, path: Path, key: str | None = None) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = Connections(path, busy_timeout_s=10.0, label=f"the audit log {path}", key=key)
+        with self._db.transaction() as conn:
+            conn.execute("CREATE TABLE IF NOT EXISTS audit (id TEXT PRIMARY KEY, at REAL NOT NULL, "
+                         "key_id TEXT, tenant TEXT, method TEXT NOT NULL, route TEXT NOT NULL, "
+                         "status INTEGER NOT NULL, user_id TEXT, agent_id TEXT, session_id TEXT, "
+                         "result_bytes INTEGER NOT NULL, duration_ms REAL NOT NULL)")
+            conn.execute("CREATE INDEX IF NOT EXISTS audit_tenant ON audit(tenant, at)")
+
+    def record(self, entry: Entry) -> None:
+        values = [*asdict(entry).values()]
+        values[1] = entry.at.timestamp()
+        with self._db.transaction() as conn:
+            conn.execute(f"INSERT INTO audit VALUES ({', '.join('?' * len(COLUMNS))})", values)
+
+    def entries(self, *, tenant: str | None, all_tenants: bool = False, key_id: str | None = None,
+                route: str | None = None, limit: int = 100) -> list[Entry]:
+        where, params = _where("?", tenant, all_tenants, key_id, route)
+        rows = self._db.read(f"SELECT {', '.join(COLUMNS)} FROM audit WHERE {where} "
+                             f"ORDER BY at DESC, rowid DESC LIMIT {int(limit)}", params)
+        return [Entry(r[0], datetime.fromtimestamp(r[1], UTC), *r[2:]) for r in rows]
+
+    def close(self) -> None:
+        self._db.close()
+
+
+class PostgresAuditLog:
+    """The audit table `engram_audit` of the shared PostgreSQL database."""
+
+    def __init__(self, url: str, *, connect_timeout_s: float = 5.0) -> None:
+        from ..store.postgres import Pool  # psycopg is only imported when used
+
+        self._pool = Pool(url, max_size=4, wait_s=connect_timeout_s,
+                          connect_timeout_s=connect_timeout_s)
+        self._ready = False
+
+    @contextmanager
+    def _cursor(self) -> Iterator[Any]:
+        with self._pool.transaction() as conn:
+            if not self._ready:
+                conn.execute("CREATE TABLE IF NOT EXISTS engram_audit (id TEXT PRIMARY KEY, "
+                             "at TIMESTAMPTZ NOT NULL, key_id TEXT, tenant TEXT, method TEXT NOT NULL, "
+                             "route TEXT NOT NULL, status INTEGER NOT NULL, user_id TEXT, "
+                             "agent_id TEXT, session_id TEXT, result_bytes BIGINT NOT NULL, "
+                             "duration_ms DOUBLE PRECISION NOT NULL)")
+                conn.execute("CREATE INDEX IF NOT EXISTS engram_audit_tenant ON engram_audit(tenant, at)")
+                self._ready = True
+            with conn.cursor() as cur:
+                yield cur
+
+    def record(self, entry: Entry) -> None:
+        with self._cursor() as cur:
+            cur.execute(f"INSERT INTO engram_audit VALUES ({', '.join(['%s'] * len(COLUMNS))})",
+                        list(asdict(entry).values()))
+
+    def entries(self, *, tenant: str | None, all_tenants: bool = False, key_id: str | None = None,
+                route: str | None = None, limit: int = 100) -> list[Entry]:
+        where, params = _where("%s", tenant, all_tenants, key_id, route)
+        with self._cursor() as cur:
+            cur.execute(f"SELECT {', '.join(COLUMNS)} FROM engram_audit WHERE {where} "
+                        f"ORDER BY at DESC, id DESC LIMIT {int(limit)}", params)
+            rows = cur.fetchall()
+        return [Entry(*r) for r in rows]
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def open_audit_log(config: Config) -> AuditLog:
+    if config.database_url:
+        return PostgresAuditLog(config.database_url, connect_timeout_s=config.pg_connect_timeout_s)
+    return SQLiteAuditLog(config.path.parent / "audit.db", key=config.encryption_key)
+
+
+def scope_of(query: bytes, body: bytes) -> dict[str, str | None]:
+    """The scope a call named: its query parameters, else the top level of its JSON body."""
+    from urllib.parse import parse_qs
+
+    found: dict[str, str | None] = dict.fromkeys(SCOPE_FIELDS)
+    params = parse_qs(query.decode("latin-1"))
+    for name in SCOPE_FIELDS:
+        if params.get(name):
+            found[name] = params[name][0][:200]
+    if body and not any(found.values()):
+        try:
+            data = json.loads(body)
+        except ValueError:  # not JSON, or cut at the scan limit
+            data = None
+        if isinstance(data, dict):
+            for name in SCOPE_FIELDS:
+                value = data.get(name)
+                if isinstance(value, str):
+                    found[name] = value[:200]
+    return found
+
+
+class AuditMiddleware:
+    """Records each call under /v1 and /mcp once its response is sent."""
+
+    def __init__(self, app: ASGIApp, log_: AuditLog) -> None:
+        self.app = app
+        self.log = log_
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if not (path.startswith("/v1/") or path == "/mcp"):
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        body = bytearray()
+        status = [500]
+        size = [0]
+
+        async def receive_body() -> Message:
+            message = await receive()
+            if message["type"] == "http.request" and len(body) < MAX_SCANNED_BODY:
+                body.extend(message.get("body", b"")[:MAX_SCANNED_BODY - len(body)])
+            return message
+
+        async def send_counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            elif message["type"] == "http.response.body":
+                size[0] += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive_body, send_counted)
+        finally:
+            principal = scope.get(PRINCIPAL)
+            route = getattr(scope.get("route"), "path", None) or scope.get("engram.route") or (
+                "/mcp" if path == "/mcp" else "unmatched")
+            entry = Entry(
+                id=new_id(), at=datetime.now(UTC),
+                key_id=principal.key_id if isinstance(principal, Principal) else None,
+                tenant=principal.tenant if isinstance(principal, Principal) else None,
+                method=scope.get("method", ""), route=route, status=status[0],
+                **scope_of(scope.get("query_string", b""), bytes(body)),
+                result_bytes=size[0], duration_ms=round((time.perf_counter() - start) * 1000, 3))
+            log.info("audit %s", json.dumps(entry.to_dict(), ensure_ascii=False))
+            try:
+                await run_in_threadpool(self.log.record, entry)
+            except Exception:  # the call itself is done; a lost audit row is logged, loudly
+                log.exception("could not record the audit entry %s", entry.id)
+
+
+class AuditOut(BaseModel):
+    entries: list[dict[str, Any]]
+
+
+class ReceiptsOut(BaseModel):
+    receipts: list[dict[str, Any]]
+
+
+def install(app: FastAPI, config: Config) -> None:
+    """Record every memory call and serve `GET /v1/audit` (admin keys, their own tenant)."""
+    audit_log = open_audit_log(config)
+    app.state.audit = audit_log
+    router = APIRouter(prefix="/v1", tags=["audit"], responses=COMMON)
+
+    @router.get("/audit", response_model=AuditOut)
+    def read_audit(ctx: Context,
+                   limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 100,
+                   key_id: Annotated[str | None, Query(max_length=200)] = None,
+                   route: Annotated[str | None, Query(max_length=200)] = None) -> Any:
+        """The audit trail of this key's tenant, newest first (admin keys): who called which
+        route, on which scope, with what result size. Never memory text."""
+        require_admin(ctx.principal, "reading the audit trail")
+        found = audit_log.entries(tenant=ctx.principal.tenant, key_id=key_id, route=route,
+                                  limit=limit)
+        return {"entries": [e.to_dict() for e in found]}
+
+    @router.get("/receipts", response_model=ReceiptsOut)
+    def read_receipts(ctx: Context, limit: Annotated[int, Query(ge=1, le=MAX_LIMIT)] = 50,
+                      user_id: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+                      agent_id: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+                      session_id: Annotated[str | None, Query(min_length=1, max_length=200)] = None
+                      ) -> Any:
+        """Erasure receipts of this tenant (admin keys), newest first: what each erasure and
+        retention delete removed (counts by kind, scope, time, a hash of the ids)."""
+        require_admin(ctx.principal, "reading erasure receipts")
+        found = ctx.mem.receipts(user_id=user_id, agent_id=agent_id, session_id=session_id, limit=limit)
+        return {"receipts": [r.to_dict() for r in found]}
+
+    app.include_router(router)
+    app.add_middleware(AuditMiddleware, log_=audit_log)
+
