@@ -78,3 +78,20 @@ def test_every_memory_call_is_audited_without_text_or_key(tmp_path: Path, embedd
     lines = [r.getMessage() for r in caplog.records if r.name == "engram.audit"]
     assert len(lines) >= 9 and all(CANARY not in line for line in lines)
     assert not any(s in line for s in secrets for line in lines)
+
+
+def test_console_pages_are_audited_like_the_api(tmp_path: Path, embedder) -> None:
+    """The console reads and changes memory through the same tenants: its pages are in the
+    trail under their route templates, with the key's id; its static files are not."""
+    with service(tmp_path, embedder) as svc:
+        ids = {k.name: k.id for k in svc.keys.list("a")}
+        assert svc.call("a-member", "POST", "/v1/memories",
+                        json={"messages": f"my code is {CANARY}", "user_id": "u1"}).status_code == 201
+        page = svc.call("a-member", "GET", "/ui/memories", params={"user_id": "u1"})
+        assert page.status_code == 200 and CANARY in page.text
+        assert svc.call("a-member", "GET", "/ui/search",
+                        params={"user_id": "u1", "q": "code"}).status_code == 200
+        entries = svc.call("a-admin", "GET", "/v1/audit").json()["entries"]
+    ui = [(e["route"], e["user_id"], e["key_id"]) for e in reversed(entries)
+          if e["route"].startswith("/ui")]
+    assert ui == [("/ui/memories", "u1", ids["a member"]), ("/ui/search", "u1", ids["a member"])]

@@ -167,7 +167,8 @@ def open_audit_log(config: Config) -> AuditLog:
 
 
 def scope_of(query: bytes, body: bytes) -> dict[str, str | None]:
-    """The scope a call named: its query parameters, else the top level of its JSON body."""
+    """The scope a call named: its query parameters, else the top level of its JSON body (a
+    console form's body is not JSON: its scope is in the query string)."""
     from urllib.parse import parse_qs
 
     found: dict[str, str | None] = dict.fromkeys(SCOPE_FIELDS)
@@ -189,7 +190,7 @@ def scope_of(query: bytes, body: bytes) -> dict[str, str | None]:
 
 
 class AuditMiddleware:
-    """Records each call under /v1 and /mcp once its response is sent."""
+    """Records each call under /v1, /mcp and the console's /ui once its response is sent."""
 
     def __init__(self, app: ASGIApp, log_: AuditLog) -> None:
         self.app = app
@@ -197,7 +198,9 @@ class AuditMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
-        if not (path.startswith("/v1/") or path == "/mcp"):
+        # the console's pages read and change memory too; its static files do not
+        if not (path.startswith(("/v1/", "/ui/")) or path in ("/mcp", "/ui")) \
+                or path.startswith("/ui/static/"):
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()

@@ -26,6 +26,7 @@ from ... import JobStatus, Kind, Memory
 from ...errors import EngramError, InvalidInput
 from ..auth import LOCAL, Principal, require_admin, require_writer
 from ..errors import ServiceError, classify
+from ..guard import PRINCIPAL
 from ..keys import Role
 from ..ratelimit import retry_after_header
 from . import views
@@ -138,6 +139,7 @@ async def _page(request: Request) -> Page:
             raise LoginNeeded from None
     else:
         raise LoginNeeded
+    request.scope[PRINCIPAL] = principal  # for the audit trail (server/audit.py)
     wait = state.limiter.take(principal.bucket)
     if wait > 0:
         raise ServiceError(429, "rate_limited", "rate limit reached; retry later",
