@@ -32,6 +32,8 @@ from .errors import (
 from .memory import Memory
 from .model import (
     AddResult,
+    Entity,
+    EntityProfile,
     Event,
     EventType,
     Hit,
@@ -39,10 +41,13 @@ from .model import (
     JobStatus,
     Kind,
     MemoryRecord,
+    Mention,
     Message,
     Page,
+    Relation,
     Scope,
     Session,
+    Subgraph,
 )
 from .pipeline.retrieve import PRESETS, RetrievalConfig
 from .store import Stats
@@ -61,6 +66,8 @@ __all__ = [
     "Conflict",
     "Context",
     "EngramError",
+    "Entity",
+    "EntityProfile",
     "Event",
     "EventType",
     "Hit",
@@ -78,10 +85,12 @@ __all__ = [
     "LLMUnavailable",
     "Memory",
     "MemoryRecord",
+    "Mention",
     "Message",
     "NotFound",
     "Page",
     "ProviderError",
+    "Relation",
     "RetrievalConfig",
     "Scope",
     "Session",
@@ -90,5 +99,6 @@ __all__ = [
     "StoreBusy",
     "StoreError",
     "StoreUnavailable",
+    "Subgraph",
     "__version__",
 ]
