@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
-from ..errors import InvalidInput, LLMOutputError, NotFound, ProviderError
+from ..errors import InvalidInput, NotFound, ProviderError
 from ..model import (
     Entity,
     EntityProfile,
@@ -97,13 +97,12 @@ def resolve(engine: Engine, scope: Scope, name: str, type: str, aliases: Sequenc
                    "sure. Different identifiers, codes or numbers are different entities."},
                   {"role": "user", "content": f"Name: {name} ({type})\nKnown:\n{listing}"}]
         try:
-            choice = engine.llm.complete(prompt, _Choice)
-            assert isinstance(choice, _Choice)
-            if 1 <= choice.same_as <= len(options):
+            choice = engine.llm.complete(prompt, _Choice).parsed
+            if choice is not None and 1 <= choice.same_as <= len(options):
                 return g.Resolution(options[choice.same_as - 1].id, "llm", res.score,
                                     res.candidates, "the LLM chose it"), entities
             return g.Resolution(None, "llm", res.score, res.candidates, "the LLM said none"), entities
-        except (ProviderError, LLMOutputError) as exc:
+        except ProviderError as exc:
             log.info("entity resolution: LLM unavailable (%s); %r kept apart", exc, name)
     return res, entities
 
