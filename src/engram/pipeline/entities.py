@@ -34,6 +34,7 @@ from ..model import (
 )
 from ..store import EntitySelect, RelationSelect, Store, Tx
 from . import graph as g
+from ..providers.llms import LLM
 from .engine import Engine
 
 log = logging.getLogger("engram.memory")
@@ -75,7 +76,8 @@ def _known(store: Store, scope: Scope, name: str, aliases: Sequence[str],
 
 
 def resolve(engine: Engine, scope: Scope, name: str, type: str, aliases: Sequence[str] = (),
-            vector: np.ndarray | None = None, *, use_llm: bool = True) -> tuple[g.Resolution, dict[str, Entity]]:
+            vector: np.ndarray | None = None, *,
+            use_llm: bool = True) -> tuple[g.Resolution, dict[str, Entity]]:
     """The staged resolution of `name` among the owner's entities (see `graph.resolve`); an
     ambiguous one is put to the LLM when there is one, else kept apart."""
     store = engine.store
@@ -88,23 +90,32 @@ def resolve(engine: Engine, scope: Scope, name: str, type: str, aliases: Sequenc
         if known else {}
     if res.stage == "ambiguous" and use_llm and engine.llm is not None:
         options = [entities[i] for i in res.candidates if i in entities]
-        listing = "\n".join(f"{n}. {e.name} ({e.type})" + (f", also {', '.join(e.aliases)}"
-                                                          if e.aliases else "")
-                            for n, e in enumerate(options, start=1))
-        prompt = [{"role": "system", "content":
-                   "You decide whether a name refers to one of the known entities. Answer with "
-                   "the number of the entity it is, or 0 if it is none of them or you are not "
-                   "sure. Different identifiers, codes or numbers are different entities."},
-                  {"role": "user", "content": f"Name: {name} ({type})\nKnown:\n{listing}"}]
         try:
-            choice = engine.llm.complete(prompt, _Choice).parsed
-            if choice is not None and 1 <= choice.same_as <= len(options):
-                return g.Resolution(options[choice.same_as - 1].id, "llm", res.score,
-                                    res.candidates, "the LLM chose it"), entities
-            return g.Resolution(None, "llm", res.score, res.candidates, "the LLM said none"), entities
+            chosen = ask(engine.llm, name, type, options)
         except ProviderError as exc:
             log.info("entity resolution: LLM unavailable (%s); %r kept apart", exc, name)
+        else:
+            why = "the LLM chose it" if chosen else "the LLM said none"
+            return g.Resolution(chosen, "llm", res.score, res.candidates, why), entities
     return res, entities
+
+
+def ask(llm: LLM, name: str, type: str, options: Sequence[Entity]) -> str | None:
+    """The LLM's pick among `options` for an ambiguous name (an id), or None for "none of
+    them, or not sure". Raises ProviderError when the LLM fails."""
+    listing = "\n".join(f"{n}. {e.name} ({e.type})"
+                        + (f", also {', '.join(e.aliases)}" if e.aliases else "")
+                        for n, e in enumerate(options, start=1))
+    prompt = [{"role": "system", "content":
+               "You decide whether a name refers to one of the known entities. Answer with the "
+               "number of the entity it is, or 0 if it is none of them or you are not sure. "
+               "Different identifiers, codes or numbers are different entities; a person's "
+               "first name alone is the full name only when nothing says otherwise."},
+              {"role": "user", "content": f"Name: {name} ({type or 'unknown type'})\nKnown:\n{listing}"}]
+    choice = llm.complete(prompt, _Choice).parsed
+    if choice is not None and 1 <= choice.same_as <= len(options):
+        return options[choice.same_as - 1].id
+    return None
 
 
 # -- entity upserts ------------------------------------------------------------------------------
@@ -340,11 +351,11 @@ def relations(store: Store, scope: Scope, *, subject: str | None = None,
                 value = obj  # a literal value
     except NotFound:
         return []
-    seen = "all" if history else "as_of" if as_of is not None else "current"
     found = store.read_relations(RelationSelect(
         scope, subjects=subjects, objects=objects, value=value,
-        predicate=g.predicate_key(predicate) if predicate else None, seen=seen,
-        at=as_of or utcnow(), limit=None if value is None else None))
+        predicate=g.predicate_key(predicate) if predicate else None,
+        seen="all" if history else "as_of" if as_of is not None else "current",
+        at=as_of or utcnow()))
     if value is not None:
         found = [r for r in found if r.object is None]
     return found[:limit]

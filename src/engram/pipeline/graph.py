@@ -29,14 +29,19 @@ STOP = frozenset({"the", "a", "an", "of", "and", "for", "in", "on", "at", "to", 
 # Legal forms say nothing about which organisation it is: "Acme Corp" is "Acme Inc."
 LEGAL = frozenset({"inc", "corp", "corporation", "co", "company", "ltd", "llc", "plc", "gmbh",
                    "sa", "ag", "bv", "limited", "incorporated"})
+# Titles say nothing about which person it is: "Dr. Ana Silva" is "Ana Silva".
+TITLES = frozenset({"dr", "mr", "mrs", "ms", "miss", "prof", "sir", "dame", "mx"})
 GENERIC_TYPES = frozenset({"", "entity", "thing", "unknown", "other"})
 MAX_NGRAM = 4  # longest name (in words) that mention linking looks up
 
 
 def normalise(name: str) -> str:
-    """The form two spellings of one name share: NFKC, case-folded, punctuation but `-`, `&`
-    and `'` dropped, spaces collapsed, a leading "the" dropped ("The Met" is "Met")."""
-    text = unicodedata.normalize("NFKC", name).casefold().replace("’", "'")
+    """The form two spellings of one name share: case-folded, accents dropped ("São" is
+    "sao"), dots dropped ("U.S.A." is "usa"), other punctuation but `-`, `&` and `'` made
+    spaces, spaces collapsed, a leading "the" dropped ("The Met" is "met")."""
+    text = unicodedata.normalize("NFKD", name)
+    text = "".join(c for c in text if not unicodedata.combining(c))
+    text = unicodedata.normalize("NFKC", text).casefold().replace("’", "'").replace(".", "")
     text = _SPACE.sub(" ", _PUNCT.sub(" ", text)).strip(" -'")
     text = text.removesuffix("'s") if text.endswith("'s") and len(text) > 3 else text
     return text[4:] if text.startswith("the ") and len(text) > 4 else text
@@ -47,8 +52,9 @@ def words(name: str) -> list[str]:
 
 
 def core(name: str) -> str:
-    """The normalised name without legal forms ("acme corp" -> "acme")."""
-    ws = [w for w in words(name) if w not in LEGAL]
+    """The normalised name without legal forms and titles ("acme corp" -> "acme",
+    "dr ana silva" -> "ana silva")."""
+    ws = [w for w in words(name) if w not in LEGAL and w not in TITLES]
     return " ".join(ws) if ws else normalise(name)
 
 
@@ -152,16 +158,19 @@ def lexical_similarity(a: str, b: str) -> float:
     return 2 * len(ga & gb) / (len(ga) + len(gb)) if ga and gb else 0.0
 
 
+PERSON_TYPES = frozenset({"person", "people", "human", "user", "character"})
+
+
 def _part_of(short: str, long: str) -> bool:
-    """Every distinctive word of `short` is a word of `long` ("Ana" of "Ana Silva")."""
-    sw = [w for w in words(short) if w not in STOP and w not in LEGAL]
-    lw = set(words(long))
-    return bool(sw) and len(sw) < len(lw) and all(w in lw for w in sw) and \
-        any(len(w) >= 3 for w in sw)
+    """`short` is one word of the person name `long` ("Ana" of "Ana Silva"). Only a single
+    word: "Michael Jordan" is not "Michael B. Jordan" on that ground."""
+    sw = [w for w in words(core(short)) if w not in STOP]
+    lw = set(words(core(long)))
+    return len(sw) == 1 and len(lw) >= 2 and sw[0] in lw and len(sw[0]) >= 3
 
 
 def resolve(name: str, type: str, candidates: Sequence[Known], vector: np.ndarray | None = None,
-            aliases: Sequence[str] = (), *, ambiguous_at: float = 0.55) -> Resolution:
+            aliases: Sequence[str] = (), *, ambiguous_at: float = 0.45) -> Resolution:
     """Which of `candidates` `name` (of `type`) is, in stages; string similarity alone never
     merges.
 
@@ -169,8 +178,8 @@ def resolve(name: str, type: str, candidates: Sequence[Known], vector: np.ndarra
        candidate of a compatible type (the one of the same type first).
     2. never past exact: identifier-like names (`SR-2023-052` is not `SR-2023-053`), and
        candidates of another type.
-    3. rules: an acronym of the other's name (`IBM`), or every distinctive word of one name
-       in the other (`Ana` of `Ana Silva`) when exactly one candidate qualifies.
+    3. rules: an acronym of the other's name (`IBM`), or, for people, a single name that is
+       one word of the other (`Ana` of `Ana Silva`), when exactly one candidate qualifies.
     4. ambiguous: embedding cosine and trigram similarity averaged at least `ambiguous_at`:
        the caller asks the LLM, or (without one) keeps them apart — precision first.
     """
@@ -189,7 +198,9 @@ def resolve(name: str, type: str, candidates: Sequence[Known], vector: np.ndarra
              or any(is_acronym_of(name, a) or is_acronym_of(a, name) for a in k.aliases)]
     if len(ruled) == 1:
         return Resolution(ruled[0].id, "rule", 0.9, why="acronym")
-    parts = [k for k in fits if _part_of(name, k.name) or _part_of(k.name, name)]
+    person = type.casefold() in PERSON_TYPES
+    parts = [k for k in fits if (person or k.type.casefold() in PERSON_TYPES)
+             and (_part_of(name, k.name) or _part_of(k.name, name))]
     if len(parts) == 1 and not ruled:
         return Resolution(parts[0].id, "rule", 0.8, why="part of the name")
     scored: list[tuple[float, str]] = []

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from ..config import Config
     from .postgres import PostgresStore
 
-__all__ = ["Candidate", "EntitySelect", "RelationSelect", "Key", "Lexical", "Query", "SQLiteStore", "Seen", "Select", "Stats", "Store",
+__all__ = ["Candidate", "EntitySelect", "RelationSelect",
+           "Key", "Lexical", "Query", "SQLiteStore", "Seen", "Select", "Stats", "Store",
            "StoreBase", "Stores", "Tx", "open_store"]
 
 

@@ -251,7 +251,7 @@ def neighbours(d: Dialect, tenant: str, scope: Scope, start: Sequence[str], dept
     edges, eparams = _edges(d, tenant, scope, seen, at)
     if d.arrays:  # ids compare byte-wise ("C"), as the id columns do
         seeds = f'SELECT x COLLATE "C" AS id FROM unnest({d.mark}::text[]) AS t(x)'
-        sparams = [list(start)]
+        sparams: list[Any] = [list(start)]
     else:
         seeds = " UNION ALL ".join(f"SELECT {d.mark} AS id" for _ in start)
         sparams = list(start)

@@ -20,7 +20,17 @@ from ..errors import Conflict
 from ..model import Entity, Event, Job, MemoryRecord, Mention, Relation, Scope, Session
 from . import graph as g
 from . import records as r
-from .base import Candidate, Seen, Select, Stats, StoreBase, job_counts
+from .base import (
+    Candidate,
+    EntitySelect,
+    NameKind,
+    RelationSelect,
+    Seen,
+    Select,
+    Stats,
+    StoreBase,
+    job_counts,
+)
 
 Run = Callable[[str, Sequence[Any]], list[Any]]  # runs one statement, returns its rows
 
@@ -104,7 +114,7 @@ class SQLStore(StoreBase):
 
     # -- the knowledge graph (store/graph.py) ------------------------------------------------
 
-    def read_entities(self, sel: g.EntitySelect) -> list[Entity]:
+    def read_entities(self, sel: EntitySelect) -> list[Entity]:
         d = self.dialect
         return [g.read_entity(d, row) for row in self._read(*g.select_entities(d, self.tenant, sel))]
 
@@ -123,7 +133,7 @@ class SQLStore(StoreBase):
         rows = self._read(*g.select_embeddings(self.dialect, self.tenant, scope, exact, type))
         return [(eid, np.frombuffer(bytes(blob), dtype=np.float32)) for eid, blob in rows]
 
-    def read_relations(self, sel: g.RelationSelect) -> list[Relation]:
+    def read_relations(self, sel: RelationSelect) -> list[Relation]:
         d = self.dialect
         return [g.read_relation(d, row)
                 for row in self._read(*g.select_relations(d, self.tenant, sel))]
@@ -197,7 +207,7 @@ class SQLTx:
 
     # -- the knowledge graph (store/graph.py) ------------------------------------------------
 
-    def put_entity(self, entity: Entity, keys: Sequence[tuple[str, g.NameKind]],
+    def put_entity(self, entity: Entity, keys: Sequence[tuple[str, NameKind]],
                    embedding: np.ndarray | None = None) -> None:
         d = self.dialect
         self._exec(*g.upsert_entity(d, self.tenant, entity, embedding))
