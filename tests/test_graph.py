@@ -315,3 +315,15 @@ def test_names_and_keys() -> None:
     assert g.is_identifier("SR-2023-052") and not g.is_identifier("Ana")
     assert g.predicate_key("Works-At") == "works_at"
     assert "ana silva" in g.ngrams("I met Ana Silva.") and "the" not in g.ngrams("the end")
+
+
+def test_context_has_an_entity_block_within_the_budget(mem: Memory) -> None:
+    mem.relate("Ana", "works_at", "Globex", valid_from=year(2023), user_id="u")
+    mem.upsert_entity("Ana", type="person", summary="a nurse from Porto", user_id="u")
+    mem.add({"content": "I love my job", "name": "Ana"}, user_id="u", session_id="s")
+    ctx = mem.context("Where does Ana work?", user_id="u", budget_tokens=400)
+    block = ctx.blocks["entities"]
+    assert block.ids and block.tokens > 0 and ctx.total_tokens <= 400
+    system = ctx.messages[0]["content"]
+    assert '"Ana (person)": "a nurse from Porto; Ana works at Globex (since 2023-01-01)"' in system
+    assert mem.context("What is the weather?", user_id="u").blocks["entities"].ids == ()

@@ -566,3 +566,27 @@ def erase(store: Store, tx: Tx, erased: Sequence[str], scope: Scope, *, whole: b
         if left != e.provenance:
             tx.put_entity(replace(e, provenance=left), g.name_keys(e.name, e.aliases))
     tx.erase_graph(drop_ents, drop_rels)
+
+
+# -- context -------------------------------------------------------------------------------------
+
+def in_play(engine: Engine, text: str, scope: Scope, limit: int) -> list[tuple[str, str, str]]:
+    """(entity id, label, what is known) for each entity `text` names (through the name/alias
+    index), for the context's entity block: type, other names, summary and what holds now."""
+    store = engine.store
+    own = owner(scope)
+    named = list(dict.fromkeys(eid for _, eid in sorted(store.match_names(own, g.ngrams(text)))))
+    if not named:
+        return []
+    found = {e.id: e for e in store.read_entities(EntitySelect(own, ids=tuple(named[:limit])))}
+    rels = store.read_relations(RelationSelect(own, touching=tuple(found), at=utcnow()))
+    out = []
+    for eid in named[:limit]:
+        e = found.get(eid)
+        if e is None:
+            continue
+        head = f"{e.name} ({e.type}" + (f"; also {', '.join(e.aliases)}" if e.aliases else "") + ")"
+        facts = [r.fact + (f" (since {r.valid_from.date().isoformat()})" if r.valid_from else "")
+                 for r in rels if eid in (r.subject, r.object)][:8]
+        out.append((eid, head, "; ".join(([e.summary] if e.summary else []) + facts)))
+    return out
