@@ -33,6 +33,7 @@ from .keys import KeyStore, open_key_store
 from .limits import BodyLimitMiddleware, ServiceLimits
 from .metrics import Metrics, MetricsMiddleware
 from .ratelimit import RateLimiter
+from .graph import router as graph_router
 from .routes import router
 from .schemas import ErrorOut, HealthOut
 from .tenants import Tenants
@@ -85,6 +86,7 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     app.state.limiter = RateLimiter(limits.rate, limits.burst)
     app.state.metrics = metrics
     app.include_router(router)
+    app.include_router(graph_router)  # the knowledge graph (server/graph.py)
     add_docs(app)
     _add_probes(app, key_store, tenants)
     _add_error_handlers(app)
