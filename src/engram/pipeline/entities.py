@@ -32,9 +32,9 @@ from ..model import (
     new_id,
     utcnow,
 )
+from ..providers.llms import LLM
 from ..store import EntitySelect, RelationSelect, Store, Tx
 from . import graph as g
-from ..providers.llms import LLM
 from .engine import Engine
 
 log = logging.getLogger("engram.memory")

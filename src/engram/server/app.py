@@ -28,12 +28,12 @@ from ..providers.embedders import Embedder, get_embedder
 from .auth import Authenticator
 from .docs import add_docs
 from .errors import ServiceError, error_response, from_engram_error, validation_message
+from .graph import router as graph_router
 from .guard import Guard, principal_of
 from .keys import KeyStore, open_key_store
 from .limits import BodyLimitMiddleware, ServiceLimits
 from .metrics import Metrics, MetricsMiddleware
 from .ratelimit import RateLimiter
-from .graph import router as graph_router
 from .routes import router
 from .schemas import ErrorOut, HealthOut
 from .tenants import Tenants
