@@ -327,3 +327,22 @@ def test_context_has_an_entity_block_within_the_budget(mem: Memory) -> None:
     system = ctx.messages[0]["content"]
     assert '"Ana (person)": "a nurse from Porto; Ana works at Globex (since 2023-01-01)"' in system
     assert mem.context("What is the weather?", user_id="u").blocks["entities"].ids == ()
+
+
+def test_the_graph_retriever_reaches_episodes_through_neighbours(tmp_path: Path,
+                                                                 embedder: Any) -> None:
+    from engram import PRESETS
+
+    cfg = replace(PRESETS["hybrid"], name="graph", graph_weight=0.5, graph_depth=1)
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=None, retrieval=cfg) as m:
+        m.relate("Ana", "works_at", "Globex", user_id="u")
+        m.add(["Globex announced record layoffs this morning", "I had pasta for lunch",
+               "The weather is grey again"], user_id="u", session_id="s")
+        hits = m.search("How is Ana's employer doing?", user_id="u", limit=3)
+        top = hits[0]
+        assert top.memory.text.startswith("Globex") and top.explain["graph"] == pytest.approx(0.5)
+        assert all("graph" not in h.explain for h in hits[1:])
+        plain = m.search("How is the weather?", user_id="u", limit=3)
+        assert all("graph" not in h.explain for h in plain)  # no entity named: no graph part
+    with pytest.raises(InvalidInput):
+        replace(cfg, graph_depth=3)
