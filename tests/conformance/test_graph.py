@@ -5,6 +5,7 @@ mentions, neighbours and paths (recursive CTEs), erasure, and owner scoping."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import numpy as np
 
@@ -155,3 +156,21 @@ def test_erase_graph_takes_entities_their_edges_names_mentions_and_events(store:
 
 def test_graph_migration_is_recorded(store: Store) -> None:
     assert "0003_graph" in store.migrations()
+
+
+def test_a_database_made_before_the_graph_upgrades(tmp_path: Any, monkeypatch: Any) -> None:
+    from engram.store.sqlite import SQLiteStore, schema
+
+    path = tmp_path / "old.db"
+    with monkeypatch.context() as m:
+        m.setattr(schema, "MIGRATIONS", [x for x in schema.MIGRATIONS if x[0] != "0003_graph"])
+        SQLiteStore(path).close()
+    new = SQLiteStore(path)
+    try:
+        assert new.migrations() == [name for name, _ in schema.MIGRATIONS if name != "0003_graph"] \
+            + ["0003_graph"]
+        a = ent("Ana")
+        put(new, a)
+        assert new.read_entities(EntitySelect(U)) == [a]
+    finally:
+        new.close()

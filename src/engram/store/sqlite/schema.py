@@ -155,4 +155,6 @@ def migrate(db: Connections) -> None:
 
 
 def applied(db: Connections) -> list[str]:
-    return [r[0] for r in db.read("SELECT name FROM schema_migrations ORDER BY name")]
+    # In the order they were applied (rowid): names need not sort that way ("0003_graph"
+    # comes after "0003_jobs_sessions" here, as the PostgreSQL store names it 0003 too).
+    return [r[0] for r in db.read("SELECT name FROM schema_migrations ORDER BY rowid")]
