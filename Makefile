@@ -8,7 +8,8 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
-	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction clean
+	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction \
+	bench-entities clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -52,6 +53,9 @@ bench-load: dev
 
 bench-redaction: install
 	$(PY) bench/redaction.py
+
+bench-entities: install
+	$(PY) bench/entities.py
 
 bench-updates: install
 	$(PY) bench/updates.py
