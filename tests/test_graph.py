@@ -48,8 +48,9 @@ def test_a_new_employer_closes_the_old_edge_and_keeps_it(gmem: Memory) -> None:
     history = gmem.relations("Ana", "works_at", history=True, user_id="u")
     closed = next(r for r in history if r.id == old.id)
     assert closed.valid_to == year(2022) and closed.expired_at is None
-    events = gmem.store.events(old.id)
+    events = gmem.history(old.id, user_id="u")  # a relation's history, like a memory's
     assert [e.type for e in events] == [EventType.ADD, EventType.SUPERSEDE]
+    assert events[-1].before and events[-1].after and events[-1].after["valid_to"]
     assert new.id in (events[-1].reason or "")
 
 
