@@ -347,3 +347,12 @@ def test_the_graph_retriever_reaches_episodes_through_neighbours(tmp_path: Path,
         assert all("graph" not in h.explain for h in plain)  # no entity named: no graph part
     with pytest.raises(InvalidInput):
         replace(cfg, graph_depth=3)
+
+
+def test_erasing_a_session_keeps_the_owners_graph(gmem: Memory) -> None:
+    gmem.relate("Ana", "works_at", "Acme", user_id="u")
+    gmem.add({"content": "hi", "name": "Visitor"}, user_id="u", session_id="s1")
+    gmem.add({"content": "hello", "name": "Ana"}, user_id="u", session_id="s2")
+    gmem.erase(user_id="u", session_id="s1")
+    assert {e.name for e in gmem.entities(user_id="u")} == {"Ana", "Acme"}
+    assert [r.object_name for r in gmem.relations("Ana", user_id="u")] == ["Acme"]

@@ -528,9 +528,10 @@ def erase(store: Store, tx: Tx, erased: Sequence[str], scope: Scope, *, whole: b
     """Inside an erasure's transaction: the graph derived from the erased memories goes.
     Mentions in them; relations whose every source is erased; entities whose every source is
     erased and that no remaining episode mentions (one still mentioned keeps its other
-    evidence). `whole`: the whole owner scope is erased, so is its graph, explicit or not."""
+    evidence). `whole`: a whole owner scope is erased (no session named), so is its graph,
+    explicit or not; the erasure of a session takes only what its messages gave the graph."""
     gone = set(erased)
-    if whole:
+    if whole and scope.session_id is None:
         own = owner(scope)
         ents = [e.id for e in store.read_entities(EntitySelect(own))]
         rels = [r.id for r in store.read_relations(RelationSelect(own, seen="all"))]
