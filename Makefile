@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
 	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction \
-	bench-encryption console-shots clean
+	bench-encryption bench-entities console-shots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -60,6 +60,9 @@ bench-redaction: install
 
 bench-encryption: install
 	$(PY) bench/encryption.py
+
+bench-entities: install
+	$(PY) bench/entities.py
 
 bench-updates: install
 	$(PY) bench/updates.py

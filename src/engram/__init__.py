@@ -33,6 +33,8 @@ from .errors import (
 from .memory import Memory
 from .model import (
     AddResult,
+    Entity,
+    EntityProfile,
     Event,
     EventType,
     Hit,
@@ -40,11 +42,14 @@ from .model import (
     JobStatus,
     Kind,
     MemoryRecord,
+    Mention,
     Message,
     Page,
     Receipt,
+    Relation,
     Scope,
     Session,
+    Subgraph,
 )
 from .pipeline.retrieve import PRESETS, RetrievalConfig
 from .store import Stats
@@ -64,6 +69,8 @@ __all__ = [
     "Context",
     "EncryptionError",
     "EngramError",
+    "Entity",
+    "EntityProfile",
     "Event",
     "EventType",
     "Hit",
@@ -81,11 +88,13 @@ __all__ = [
     "LLMUnavailable",
     "Memory",
     "MemoryRecord",
+    "Mention",
     "Message",
     "NotFound",
     "Page",
     "ProviderError",
     "Receipt",
+    "Relation",
     "RetrievalConfig",
     "Scope",
     "Session",
@@ -94,5 +103,6 @@ __all__ = [
     "StoreBusy",
     "StoreError",
     "StoreUnavailable",
+    "Subgraph",
     "__version__",
 ]

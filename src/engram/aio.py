@@ -20,6 +20,8 @@ from .memory import Memory
 from .model import (
     UNSET,
     AddResult,
+    Entity,
+    EntityProfile,
     Event,
     Hit,
     Job,
@@ -28,7 +30,9 @@ from .model import (
     MemoryRecord,
     Page,
     Receipt,
+    Relation,
     Session,
+    Subgraph,
     Unset,
 )
 from .pipeline.retrieve import RetrievalConfig
@@ -148,6 +152,65 @@ class AsyncMemory:
                       session_id: str | None = None) -> builtins.list[Event]:
         return await _in_thread(self.sync.history, id, user_id=user_id, agent_id=agent_id,
                                 session_id=session_id)
+
+    # -- the knowledge graph ----------------------------------------------------------------
+
+    async def relate(self, subject: str, predicate: str, object: str | int | float | datetime, *,
+                     valid_from: datetime | None = None, valid_to: datetime | None = None,
+                     user_id: str | None = None, agent_id: str | None = None,
+                     metadata: Mapping[str, Any] | None = None, single: bool | None = None,
+                     literal: bool = False, subject_type: str | None = None,
+                     object_type: str | None = None, fact: str | None = None) -> Relation:
+        return await _in_thread(
+            self.sync.relate, subject, predicate, object, valid_from=valid_from,
+            valid_to=valid_to, user_id=user_id, agent_id=agent_id, metadata=metadata,
+            single=single, literal=literal, subject_type=subject_type, object_type=object_type,
+            fact=fact)
+
+    async def unrelate(self, subject: str, predicate: str,
+                       object: str | int | float | datetime | None = None, *,
+                       at: datetime | None = None, retract: bool = False, literal: bool = False,
+                       user_id: str | None = None,
+                       agent_id: str | None = None) -> builtins.list[Relation]:
+        return await _in_thread(self.sync.unrelate, subject, predicate, object, at=at,
+                                retract=retract, literal=literal, user_id=user_id,
+                                agent_id=agent_id)
+
+    async def upsert_entity(self, name: str, *, type: str | None = None,
+                            aliases: Sequence[str] | None = None, summary: str | None = None,
+                            attributes: Mapping[str, Any] | None = None,
+                            user_id: str | None = None, agent_id: str | None = None) -> Entity:
+        return await _in_thread(self.sync.upsert_entity, name, type=type, aliases=aliases,
+                                summary=summary, attributes=attributes, user_id=user_id,
+                                agent_id=agent_id)
+
+    async def entity(self, name: str, *, user_id: str | None = None, agent_id: str | None = None,
+                     session_id: str | None = None, mentions: int = 5) -> EntityProfile:
+        return await _in_thread(self.sync.entity, name, user_id=user_id, agent_id=agent_id,
+                                session_id=session_id, mentions=mentions)
+
+    async def entities(self, query: str | None = None, *, type: str | None = None,
+                       limit: int = 50, cursor: str | None = None, user_id: str | None = None,
+                       agent_id: str | None = None) -> builtins.list[Entity]:
+        return await _in_thread(self.sync.entities, query, type=type, limit=limit, cursor=cursor,
+                                user_id=user_id, agent_id=agent_id)
+
+    async def relations(self, subject: str | None = None, predicate: str | None = None,
+                        object: str | None = None, *, as_of: datetime | None = None,
+                        history: bool = False, limit: int = 100, user_id: str | None = None,
+                        agent_id: str | None = None) -> builtins.list[Relation]:
+        return await _in_thread(self.sync.relations, subject, predicate, object, as_of=as_of,
+                                history=history, limit=limit, user_id=user_id, agent_id=agent_id)
+
+    async def neighbours(self, name: str, *, depth: int = 1, as_of: datetime | None = None,
+                         user_id: str | None = None, agent_id: str | None = None) -> Subgraph:
+        return await _in_thread(self.sync.neighbours, name, depth=depth, as_of=as_of,
+                                user_id=user_id, agent_id=agent_id)
+
+    async def path(self, a: str, b: str, *, max_depth: int = 4, as_of: datetime | None = None,
+                   user_id: str | None = None, agent_id: str | None = None) -> Subgraph:
+        return await _in_thread(self.sync.path, a, b, max_depth=max_depth, as_of=as_of,
+                                user_id=user_id, agent_id=agent_id)
 
     async def stats(self, *, user_id: str | None = None, agent_id: str | None = None,
                     session_id: str | None = None) -> Stats:

@@ -107,6 +107,13 @@ class Config:
                                f"not {self.redact!r} (ENGRAM_REDACT)")
     # -- end of redaction ---------------------------------------------------------------------------
 
+    # -- The knowledge graph (ENGRAM_GRAPH_*; pipeline/graph.py, docs/graph.md) --------------------
+    # Predicates with one current value per subject (a new value closes the old edge) beyond the
+    # declared defaults (works_at, lives_in, ...), and predicates to treat as many-valued even
+    # if declared single. Comma-separated names in the environment.
+    graph_single: tuple[str, ...] = ()
+    graph_multi: tuple[str, ...] = ()
+    # -- end of the knowledge graph -----------------------------------------------------------------
     # -- Trust: encryption at rest and retention (docs/security.md) ---------------------------------
     # With a key (ENGRAM_ENCRYPTION_KEY, or the first line of ENGRAM_ENCRYPTION_KEY_FILE) every
     # SQLite database is opened through SQLCipher: the file, its WAL and its shm hold ciphertext.
@@ -214,6 +221,10 @@ class Config:
                     values[name] = conv(env[key])
                 except ValueError as exc:
                     raise InvalidInput(f"{key}={env[key]!r} is not a valid {conv.__name__}") from exc
+        for name, key in (("graph_single", "ENGRAM_GRAPH_SINGLE"),
+                          ("graph_multi", "ENGRAM_GRAPH_MULTI")):  # the knowledge graph
+            if env.get(key):
+                values[name] = tuple(p.strip() for p in env[key].split(",") if p.strip())
         if env.get("ENGRAM_LOG_LEVEL"):
             values["log_level"] = env["ENGRAM_LOG_LEVEL"]
         values.update(cls._trust_env(env))  # encryption and retention

@@ -25,6 +25,8 @@ from .errors import InvalidInput
 from .model import (
     UNSET,
     AddResult,
+    Entity,
+    EntityProfile,
     Event,
     EventType,
     Hit,
@@ -34,11 +36,13 @@ from .model import (
     MemoryRecord,
     Page,
     Receipt,
+    Relation,
     Session,
+    Subgraph,
     Unset,
     utcnow,
 )
-from .pipeline import erase, learn, read, retention, write
+from .pipeline import entities, erase, learn, read, retention, write
 from .pipeline import extract as extraction
 from .pipeline.engine import Engine
 from .pipeline.retrieve import RetrievalConfig
@@ -313,6 +317,97 @@ class Memory:
         """Every event of a memory of the scope, oldest first (also for deleted and erased
         ids)."""
         return read.history(self.store, id, valid.scope(user_id, agent_id, session_id))
+
+    # -- the knowledge graph (pipeline/entities.py, docs/graph.md) ----------------------------
+
+    def relate(self, subject: str, predicate: str, object: str | int | float | datetime, *,
+               valid_from: datetime | None = None, valid_to: datetime | None = None,
+               user_id: str | None = None, agent_id: str | None = None,
+               metadata: Mapping[str, Any] | None = None, single: bool | None = None,
+               literal: bool = False, subject_type: str | None = None,
+               object_type: str | None = None, fact: str | None = None) -> Relation:
+        """Record `subject -[predicate]-> object` holding from `valid_from` (default now). The
+        ends are resolved among the owner's entities (exact name or alias, acronym, a part of
+        a name only one entity has) or created. A non-string object, or `literal=True`, is a
+        value rather than an entity. For a single-valued predicate (`works_at`, `lives_in`,
+        ...; `single=` overrides, see docs/graph.md) the edge holding then is closed
+        (`valid_to`, a SUPERSEDE event), never deleted; the same value holding already is
+        returned as it is."""
+        scope = valid.scope(user_id, agent_id, None)
+        start = valid.moment(valid_from, "valid_from")
+        end = valid.moment(valid_to, "valid_to")
+        return entities.relate(self._engine, scope, subject, predicate,
+                               entities.target(object, literal, object_type),
+                               valid_from=start, valid_to=end, metadata=valid.metadata(metadata),
+                               single=single, subject_type=subject_type, fact=fact)
+
+    def unrelate(self, subject: str, predicate: str,
+                 object: str | int | float | datetime | None = None, *,
+                 at: datetime | None = None, retract: bool = False, literal: bool = False,
+                 user_id: str | None = None, agent_id: str | None = None) -> builtins.list[Relation]:
+        """End the edges `subject -[predicate]-> object` that hold at `at` (default now; any
+        object if None): they get `valid_to` and stay as history. `retract=True`: they never
+        held (a mistake), so they are retired (`expired_at`) and leave as-of reads too."""
+        scope = valid.scope(user_id, agent_id, None)
+        target = None if object is None else entities.target(object, literal)
+        return entities.unrelate(self._engine, scope, subject, predicate, target,
+                                 at=valid.moment(at, "at"), retract=valid.flag(retract, "retract"))
+
+    def upsert_entity(self, name: str, *, type: str | None = None,
+                      aliases: Sequence[str] | None = None, summary: str | None = None,
+                      attributes: Mapping[str, Any] | None = None,
+                      user_id: str | None = None, agent_id: str | None = None) -> Entity:
+        """Create the entity `name`, or update the one it resolves to: aliases accumulate
+        (`IBM` for `International Business Machines`, `Bob` for `Robert`), the summary and
+        attributes are replaced / merged."""
+        scope = valid.scope(user_id, agent_id, None)
+        return entities.upsert(self._engine, scope, name, type=type,
+                               aliases=entities.clean_aliases(aliases), summary=summary,
+                               attributes=valid.metadata(attributes))
+
+    def entity(self, name: str, *, user_id: str | None = None, agent_id: str | None = None,
+               session_id: str | None = None, mentions: int = 5) -> EntityProfile:
+        """What is known about the entity a name, alias or id names: its type, aliases and
+        summary, the relations that hold now (both directions) and the episodes that mention it
+        most recently (of the session, if given). NotFound if there is none."""
+        return entities.profile(self.store, valid.scope(user_id, agent_id, session_id), name,
+                                valid.limit(mentions))
+
+    def entities(self, query: str | None = None, *, type: str | None = None, limit: int = 50,
+                 cursor: str | None = None, user_id: str | None = None,
+                 agent_id: str | None = None) -> builtins.list[Entity]:
+        """The owner's entities: all in creation order (after the id `cursor`), or the best
+        matches of `query` (exact names and aliases first, then by meaning of the name)."""
+        if query is not None:
+            valid.text(query, self.config.max_text_chars, "query")
+        return entities.entities(self._engine, valid.scope(user_id, agent_id, None), query,
+                                 type=type, limit=valid.limit(limit), after_id=cursor)
+
+    def relations(self, subject: str | None = None, predicate: str | None = None,
+                  object: str | None = None, *, as_of: datetime | None = None,
+                  history: bool = False, limit: int = 100, user_id: str | None = None,
+                  agent_id: str | None = None) -> builtins.list[Relation]:
+        """The s/p/o query of the knowledge graph: relations matching every end given (a name,
+        alias or id; the object may be a literal value), those that hold now by default, those
+        valid at `as_of`, or every stored edge with `history=True`."""
+        return entities.relations(self.store, valid.scope(user_id, agent_id, None),
+                                  subject=subject, predicate=predicate, obj=object,
+                                  as_of=valid.moment(as_of, "as_of"),
+                                  history=valid.flag(history, "history"), limit=valid.limit(limit))
+
+    def neighbours(self, name: str, *, depth: int = 1, as_of: datetime | None = None,
+                   user_id: str | None = None, agent_id: str | None = None) -> Subgraph:
+        """The entity and every entity within `depth` hops (1 to 4), with the relations
+        between them, current or valid at `as_of`."""
+        return entities.neighbours(self.store, valid.scope(user_id, agent_id, None), name,
+                                   depth, valid.moment(as_of, "as_of"))
+
+    def path(self, a: str, b: str, *, max_depth: int = 4, as_of: datetime | None = None,
+             user_id: str | None = None, agent_id: str | None = None) -> Subgraph:
+        """A shortest chain of relations between two entities (either direction), with its
+        entities in order from `a`; empty when none within `max_depth` hops."""
+        return entities.path(self.store, valid.scope(user_id, agent_id, None), a, b, max_depth,
+                             valid.moment(as_of, "as_of"))
 
     def stats(self, *, user_id: str | None = None, agent_id: str | None = None,
               session_id: str | None = None) -> Stats:

@@ -246,6 +246,122 @@ class Session:
         return out
 
 
+# -- entities and relations (the knowledge graph, docs/graph.md) ------------------------------
+
+@dataclass(frozen=True)
+class Entity:
+    """Someone or something memories are about: a person, a place, an organisation, a ticket.
+
+    `scope` is an owner (user_id, agent_id; never a session: an entity outlives a conversation).
+    `aliases` are the other names it answers to (nicknames, acronyms); `provenance` the episodes
+    that mention it (through `Mention` rows) or that a relation of it came from.
+    """
+
+    id: str
+    scope: Scope
+    name: str
+    type: str
+    created_at: datetime
+    updated_at: datetime
+    aliases: tuple[str, ...] = ()
+    summary: str = ""
+    attributes: dict[str, Any] = field(default_factory=dict)
+    provenance: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "scope": self.scope.as_dict(), "name": self.name,
+                "type": self.type, "aliases": list(self.aliases), "summary": self.summary,
+                "attributes": self.attributes, "provenance": list(self.provenance),
+                "created_at": self.created_at.isoformat(),
+                "updated_at": self.updated_at.isoformat()}
+
+
+@dataclass(frozen=True)
+class Relation:
+    """An edge: `subject` -[predicate]-> `object` (an entity, or a literal `value`), with time.
+
+    World time: `valid_from` / `valid_to` (when it held; None = unknown start / still holds).
+    engram's time: `created_at` / `expired_at` (when engram learned it / retired it: an
+    `unrelate`, or a correction). A relation closed by a newer value of a single-valued
+    predicate gets `valid_to` and stays: `relations(as_of=...)` finds it.
+    `subject_name` / `object_name` are the entities' canonical names when read.
+    """
+
+    id: str
+    scope: Scope
+    subject: str                     # entity id
+    predicate: str
+    object: str | None               # entity id, or None for a literal
+    value: str | None                # the literal object (None when `object` is an entity)
+    fact: str
+    created_at: datetime
+    valid_from: datetime | None = None
+    valid_to: datetime | None = None
+    expired_at: datetime | None = None
+    provenance: tuple[str, ...] = ()
+    confidence: float = 1.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    subject_name: str = ""
+    object_name: str = ""            # the object entity's name, or the literal value
+
+    def holds(self, at: datetime) -> bool:
+        """Valid at world time `at` and not retired."""
+        return (self.expired_at is None
+                and (self.valid_from is None or self.valid_from <= at)
+                and (self.valid_to is None or self.valid_to > at))
+
+    def to_dict(self) -> dict[str, Any]:
+        t = _iso
+        return {"id": self.id, "scope": self.scope.as_dict(), "subject": self.subject_name,
+                "subject_id": self.subject, "predicate": self.predicate,
+                "object": self.object_name or self.value, "object_id": self.object,
+                "value": self.value, "fact": self.fact, "valid_from": t(self.valid_from),
+                "valid_to": t(self.valid_to), "created_at": t(self.created_at),
+                "expired_at": t(self.expired_at), "provenance": list(self.provenance),
+                "confidence": self.confidence, "metadata": self.metadata}
+
+
+@dataclass(frozen=True)
+class Mention:
+    """An episode mentions an entity: what links the graph to the turns."""
+
+    episode_id: str
+    entity_id: str
+    scope: Scope
+    at: datetime | None = None       # the episode's observed_at
+
+
+@dataclass(frozen=True)
+class EntityProfile:
+    """What `Memory.entity` tells about one entity: itself, the relations that hold now (both
+    directions) and the episodes that mention it most recently."""
+
+    entity: Entity
+    relations: list[Relation]
+    mentions: list[MemoryRecord]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.entity.to_dict(), "relations": [r.to_dict() for r in self.relations],
+                "mentions": [{"id": m.id, "text": m.text, "name": m.name,
+                              "observed_at": _iso(m.observed_at)} for m in self.mentions]}
+
+
+@dataclass(frozen=True)
+class Subgraph:
+    """Entities and the relations between them: what `neighbours` and `path` return."""
+
+    entities: list[Entity]
+    relations: list[Relation]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"entities": [e.to_dict() for e in self.entities],
+                "relations": [r.to_dict() for r in self.relations]}
+
+
+def _iso(value: datetime | None) -> str | None:
+    return None if value is None else value.isoformat()
+
+
 def event(type: EventType, memory: MemoryRecord, at: datetime, *,
           before: MemoryRecord | None = None, after: MemoryRecord | None = None,
           reason: str | None = None) -> Event:

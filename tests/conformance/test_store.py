@@ -690,7 +690,9 @@ def test_failed_insert_rolls_back_earlier_writes_of_the_transaction(store: Store
 def test_migrations_are_recorded_and_reopening_is_idempotent(store_factory, tmp_path) -> None:
     s1 = store_factory(tmp_path)
     names = s1.migrations()
-    assert names and names == sorted(names)
+    # each once, in the order applied (not by name: SQLite applies 0003_graph after
+    # 0003_jobs_sessions, PostgreSQL names its graph migration 0003 too)
+    assert names and len(set(names)) == len(names) and names[0] == "0001_initial"
     r = rec("survives reopening")
     put(s1, r)
     s1.close()

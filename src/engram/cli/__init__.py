@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from . import chat, demo, jobs, memories, service, sessions, transfer, trust
+from . import chat, demo, graph, jobs, memories, service, sessions, transfer, trust
 from .base import DbOpt, JsonOpt, State
 
 __all__ = ["app"]
@@ -57,6 +57,10 @@ app.command()(memories.stats)
 app.command()(jobs.worker)
 app.command()(jobs.jobs)
 app.command()(memories.reflect)
+app.command()(graph.entities)  # the knowledge graph (cli/graph.py)
+app.command()(graph.entity)
+app.command()(graph.relations)
+app.command()(graph.relate)
 app.add_typer(service.mcp_app, name="mcp")
 app.command()(demo.demo)
 app.add_typer(service.keys_app, name="keys")

@@ -21,6 +21,13 @@ records: their metadata differ (facts whose metadata disagree are never merged),
 engram would take for an exact repeat of a stored one (the same words up to case, spacing and
 final punctuation) is stored with a ` #2`, ` #3`, ... suffix; the metadata keeps the exact value.
 Deletions are soft deletes (a DELETE event each; `Memory.history` keeps them).
+
+The same writes also go to engram's real knowledge graph (`Memory.relate`, `upsert_entity`;
+docs/graph.md), so `entity`, `relations` and `neighbours` — and the graph retriever — see what
+the reference tools wrote: a created entity is upserted with its type, a created relation is
+related, a deleted relation is retracted. `migrate` mirrors a graph written before that.
+The reference tools keep reading the records above: they compare names exactly, while the real
+graph resolves them (`ana` and `Ana` are one entity there).
 """
 
 from __future__ import annotations
@@ -35,8 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel
 
-from .. import Memory
+from .. import EntityProfile, Memory, Subgraph
+from .. import Relation as RealRelation
 from ..errors import Conflict, InvalidImport, InvalidInput, NotFound
 from ..model import MemoryRecord, Scope
 
@@ -88,6 +97,7 @@ def create_entities(mem: Memory, entities: Sequence[Entity], scope: Scope) -> tu
         _observations(e.observations)
     created, skipped = _new_entities(entities, set(_entities(mem, scope, [e.name for e in entities])))
     _write(mem, _entity_messages(created), scope)
+    mirror(mem, Graph(created, []), scope)
     return created, skipped
 
 
@@ -102,6 +112,7 @@ def create_relations(mem: Memory, relations: Sequence[Relation], scope: Scope) -
         _name(r.relation_type, "relation type")
     new = _new_relations(relations, _relation_records(mem, scope, "from", [r.source for r in relations]))
     _write(mem, [_relation_message(r) for r in new], scope)
+    mirror(mem, Graph([], new), scope)
     return new
 
 
@@ -179,6 +190,9 @@ def delete_relations(mem: Memory, relations: Sequence[Relation], scope: Scope) -
     records = [rec for rec in _relation_records(mem, scope, "from", [r.source for r in relations])
                if _relation(rec) in drop]
     _delete(mem, records, scope)
+    for r in {_relation(rec) for rec in records}:
+        with contextlib.suppress(NotFound):  # the real graph never had it (written before)
+            mem.unrelate(r.source, r.relation_type, r.target, retract=True, **_owner(scope))
     return len(records)
 
 
@@ -300,7 +314,28 @@ def import_graph(mem: Memory, graph: Graph, scope: Scope) -> Imported:
     new = _new_relations(graph.relations,
                          _relation_records(mem, scope, "from", [r.source for r in graph.relations]))
     _write(mem, _entity_messages(created) + [_relation_message(r) for r in new], scope)
+    mirror(mem, Graph(created, new), scope)
     return Imported(created, skipped, new)
+
+
+# -- the real knowledge graph ---------------------------------------------------------------------
+
+def mirror(mem: Memory, graph: Graph, scope: Scope) -> tuple[int, int]:
+    """Write entities (with their type) and relations into engram's knowledge graph; returns
+    how many of each. Relations hold from now on and are many-valued (the reference server has
+    no notion of one current value)."""
+    for e in graph.entities:
+        mem.upsert_entity(e.name, type=e.entity_type, **_owner(scope))
+    for r in graph.relations:
+        mem.relate(r.source, r.relation_type, r.target, single=False, **_owner(scope))
+    return len(graph.entities), len(graph.relations)
+
+
+def migrate(mem: Memory, scope: Scope) -> tuple[int, int]:
+    """Migrate the `kg` records of a scope (written by these tools before engram had a real
+    graph) into entities and relations. Idempotent: an entity resolves to itself and a
+    relation that holds already is returned as it is."""
+    return mirror(mem, read_graph(mem, scope), scope)
 
 
 # -- the mapping ----------------------------------------------------------------------------------
@@ -514,3 +549,56 @@ def _observations(contents: Sequence[Any]) -> None:
     for o in contents:
         if not isinstance(o, str) or not o.strip():
             raise InvalidInput("an observation must be a non-empty string")
+
+
+# -- the real graph's tools: entity, relations, neighbours (wire shapes) --------------------------
+
+class GraphEntity(BaseModel):
+    id: str
+    name: str
+    type: str
+    aliases: list[str]
+    summary: str
+
+
+class GraphRelation(BaseModel):
+    id: str
+    subject: str
+    predicate: str
+    object: str
+    fact: str
+    valid_from: str | None
+    valid_to: str | None
+
+
+class GraphMention(BaseModel):
+    id: str
+    text: str
+    name: str | None
+    observed_at: str | None
+
+
+class EntityResult(GraphEntity):
+    relations: list[GraphRelation]
+    mentions: list[GraphMention]
+
+
+class RelationsResult(BaseModel):
+    relations: list[GraphRelation]
+
+
+class NeighboursResult(BaseModel):
+    entities: list[GraphEntity]
+    relations: list[GraphRelation]
+
+
+def entity_result(profile: EntityProfile) -> EntityResult:
+    return EntityResult.model_validate(profile.to_dict())
+
+
+def relations_result(relations: Sequence[RealRelation]) -> RelationsResult:
+    return RelationsResult(relations=[GraphRelation.model_validate(r.to_dict()) for r in relations])
+
+
+def neighbours_result(sub: Subgraph) -> NeighboursResult:
+    return NeighboursResult.model_validate(sub.to_dict())

@@ -335,6 +335,46 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
         """Read entities by name, with the relations touching them; unknown names are skipped."""
         return call(ctx, lambda mem, owner: graph_result(graph.open_nodes(mem, names, owner)))
 
+    # -- the real knowledge graph (docs/graph.md) ---------------------------------------------
+
+    @server.tool(annotations=READ)
+    def entity(name: Annotated[str, Field(max_length=256, description="A name, alias or entity id")],
+               ctx: Context) -> Annotated[CallToolResult, graph.EntityResult]:
+        """What is known about one entity: type, aliases, summary, the relations that hold now
+        and the messages that mention it most recently."""
+        def run(mem: Memory, owner: Scope) -> CallToolResult:
+            out = graph.entity_result(mem.entity(name, user_id=owner.user_id))
+            return _text_result(wire.dump(out), out)
+        return call(ctx, run)
+
+    @server.tool(annotations=READ)
+    def relations(
+        ctx: Context,
+        subject: Annotated[str | None, Field(max_length=256, description="A name")] = None,
+        predicate: Annotated[str | None, Field(max_length=128, description="e.g. works_at")] = None,
+        object: Annotated[str | None, Field(max_length=1024, description="A name or a value")] = None,
+        as_of: Annotated[str | None, Field(description="ISO-8601: what held then")] = None,
+    ) -> Annotated[CallToolResult, graph.RelationsResult]:
+        """The knowledge graph's subject / predicate / object query: the relations that hold
+        now (or at `as_of`) matching every part given."""
+        def run(mem: Memory, owner: Scope) -> CallToolResult:
+            found = mem.relations(subject, predicate, object, as_of=as_of,  # type: ignore[arg-type]
+                                  user_id=owner.user_id)
+            out = graph.relations_result(found)
+            return _text_result(wire.dump(out), out)
+        return call(ctx, run)
+
+    @server.tool(annotations=READ)
+    def neighbours(name: Annotated[str, Field(max_length=256, description="A name or alias")],
+                   ctx: Context,
+                   depth: Annotated[int, Field(ge=1, le=4, description="Hops (1-4)")] = 1,
+                   ) -> Annotated[CallToolResult, graph.NeighboursResult]:
+        """The entity and every entity within `depth` hops, with the relations between them."""
+        def run(mem: Memory, owner: Scope) -> CallToolResult:
+            out = graph.neighbours_result(mem.neighbours(name, depth=depth, user_id=owner.user_id))
+            return _text_result(wire.dump(out), out)
+        return call(ctx, run)
+
     return server
 
 

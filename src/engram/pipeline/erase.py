@@ -19,6 +19,7 @@ from .. import validate as valid
 from ..errors import NotFound
 from ..model import Event, EventType, MemoryRecord, Receipt, Scope, new_id, utcnow
 from ..store import Store, Tx
+from . import entities
 from .engine import Engine
 from .index import Keys, followers
 
@@ -69,6 +70,7 @@ def _erase(engine: Engine, ids: list[str], scope: Scope, moved: list[tuple[Memor
     now = utcnow()
     with store.write() as tx:
         tx.erase(ids)
+        entities.erase(store, tx, ids, scope, whole=single is None and not exact)  # the graph
         for other, (own, lexical) in moved:
             tx.update(other, own, lexical)
         if single is not None:

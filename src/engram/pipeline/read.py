@@ -19,6 +19,7 @@ from ..filters import parse_filters
 from ..model import Event, Hit, Kind, MemoryRecord, Page, Scope, utcnow
 from ..redact import redact
 from ..store import Query, Store
+from . import graph_retrieve
 from .engine import Engine
 from .retrieve import Ranked, fuse, rank
 from .text import terms
@@ -59,8 +60,11 @@ def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray |
                         terms=terms(text) if cfg.lexical_weight else (),
                         previous_weight=cfg.previous_weight)
     found = {LABELS.get(name, name): hits for name, hits in pooled.items()}
+    if cfg.graph_weight:  # scaled to [0, 1] by the retriever itself
+        found["graph"] = graph_retrieve.candidates(engine, text, q, n, cfg.graph_depth)
     fused = fuse(found, {"dense": cfg.dense_weight, "window": cfg.window_weight,
-                         "fact": cfg.fact_weight, "lexical": cfg.lexical_weight}, cfg)
+                         "fact": cfg.fact_weight, "lexical": cfg.lexical_weight,
+                         "graph": cfg.graph_weight}, cfg)
     return rank(fused, store.candidates(list(fused)), text, cfg, q.as_of or q.now)[:limit]
 
 

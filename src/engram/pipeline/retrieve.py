@@ -40,6 +40,10 @@ class RetrievalConfig:
     session_weight: float = 0.0    # share of the memory's session's best score
     recency_weight: float = 0.0    # the memory's place in the candidates' own time span (0 to 1)
     importance_weight: float = 0.0
+    # The knowledge graph (graph_retrieve.py): memories mentioning the entities the query names
+    # and their neighbours up to `graph_depth` hops.
+    graph_weight: float = 0.0
+    graph_depth: int = 1
     # Topic-level newest-wins on the first `newer_page` results of a question about the present:
     # a newer statement that revises an older one ranks just above it (see `newest_wins`).
     newer_page: int = 0
@@ -58,6 +62,8 @@ class RetrievalConfig:
             raise InvalidInput("candidates must be positive")
         if self.newer_page < 0:
             raise InvalidInput("newer_page must be 0 (off) or positive")
+        if not 0 <= self.graph_depth <= 2:
+            raise InvalidInput("graph_depth must be 0, 1 or 2")
 
 
 PRESETS: dict[str, RetrievalConfig] = {

@@ -33,7 +33,7 @@ from ..model import (
     utcnow,
 )
 from ..store import Key, Query, Tx
-from . import consolidate, forget, learn
+from . import consolidate, entities, forget, learn
 from . import extract as extraction
 from .engine import Engine
 from .index import followers, index, reindex
@@ -200,6 +200,7 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
             fact_keys.setdefault(source, []).append(Key("fact", item.keys[0][0].vector))
     store = engine.store
     cfg = engine.config
+    speakers = entities.prepare(engine, records)  # the knowledge graph: model time first
     with store.write() as tx:
         # Reads first (neighbours for consolidation), writes after.
         near = {r.id: neighbours(engine, r, keys[r.id][0][0].vector, now)
@@ -268,6 +269,7 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
                 log.info("added %s %s in %s", rec.kind.value, rec.id, req.scope)
             tx.append(ev)
             events.append(ev)
+        entities.link(engine, tx, [r for r in stored if r.kind is Kind.EPISODIC], speakers)
         facts, fact_events = learn.apply(engine, tx, learned, now)
         stored += facts
         events += fact_events

@@ -29,6 +29,7 @@ from . import audit
 from .auth import Authenticator
 from .docs import add_docs
 from .errors import ServiceError, error_response, from_engram_error, validation_message
+from .graph import router as graph_router
 from .guard import Guard, principal_of
 from .keys import KeyStore, open_key_store
 from .limits import BodyLimitMiddleware, ServiceLimits
@@ -89,6 +90,7 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     app.include_router(router)
     mount_console(app)  # the memory console at /ui: the same keys, tenants and Memory methods
     audit.install(app, config)  # the audit trail: every memory call, and GET /v1/audit
+    app.include_router(graph_router)  # the knowledge graph (server/graph.py)
     add_docs(app)
     _add_probes(app, key_store, tenants)
     _add_error_handlers(app)

@@ -7,14 +7,28 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .base import Candidate, Key, Lexical, Query, Seen, Select, Stats, Store, StoreBase, Tx
+from .base import (
+    Candidate,
+    EntitySelect,
+    Key,
+    Lexical,
+    Query,
+    RelationSelect,
+    Seen,
+    Select,
+    Stats,
+    Store,
+    StoreBase,
+    Tx,
+)
 from .sqlite import SQLiteStore
 
 if TYPE_CHECKING:
     from ..config import Config
     from .postgres import PostgresStore
 
-__all__ = ["Candidate", "Key", "Lexical", "Query", "SQLiteStore", "Seen", "Select", "Stats", "Store",
+__all__ = ["Candidate", "EntitySelect", "RelationSelect",
+           "Key", "Lexical", "Query", "SQLiteStore", "Seen", "Select", "Stats", "Store",
            "StoreBase", "Stores", "Tx", "open_store"]
 
 

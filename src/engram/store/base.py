@@ -7,10 +7,13 @@ inside `write()`, one transaction that either commits whole or leaves nothing. E
 
 A backend implements 17 primitives (`write`, `close`, `migrations`, `read_memories`,
 `read_ids`, `candidates`, `dense`, `lexical`, `events`, `events_of`, `count_events`,
-`read_jobs`, `claim_job`, `read_sessions`, `stats`, `touch`, `reclaim`) and inherits 13
-conveniences from `StoreBase` (`get`, `select`, `ids`, `find_hash`, `recent_episodes`,
-`episodes_around`, `eviction_pool`, `iter_export`, `job`, `job_by_key`, `jobs`, `session`,
-`sessions`). Its `Tx` implements the ten writes of `Tx`.
+`read_jobs`, `claim_job`, `read_sessions`, `stats`, `touch`, `reclaim`) and 8 of the knowledge
+graph (`read_entities`, `match_names`, `entity_embeddings`, `read_relations`, `read_mentions`,
+`mention_counts`, `neighbours`, `find_path`), and inherits 14 conveniences from `StoreBase`
+(`pool`, `get`, `select`, `ids`, `find_hash`, `recent_episodes`, `episodes_around`,
+`eviction_pool`, `iter_export`, `job`, `job_by_key`, `jobs`, `session`, `sessions`; a backend
+may override one, as PostgreSQL does `pool`). Its `Tx` implements the fifteen writes of `Tx`
+(ten of memories, jobs and sessions; five of the graph).
 """
 
 from __future__ import annotations
@@ -26,7 +29,18 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from ..filters import Condition
-from ..model import Event, Job, JobStatus, Kind, MemoryRecord, Scope, Session
+from ..model import (
+    Entity,
+    Event,
+    Job,
+    JobStatus,
+    Kind,
+    MemoryRecord,
+    Mention,
+    Relation,
+    Scope,
+    Session,
+)
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,43 @@ def job_counts(found: dict[str, int]) -> dict[str, int]:
     return {s.value: int(found.get(s.value, 0)) for s in JobStatus}
 
 
+NameKind = Literal["name", "alias", "token"]  # what an entity_names row indexes
+
+
+@dataclass(frozen=True)
+class EntitySelect:
+    """One read of entities. `scope`: an owner (user_id, agent_id; None fields match anything
+    unless `exact`). `keys`: normalised names or aliases (exact lookups through the index);
+    `tokens`: normalised name tokens (lexical candidates)."""
+
+    scope: Scope = Scope()
+    exact: bool = False
+    ids: tuple[str, ...] | None = None
+    keys: tuple[str, ...] | None = None
+    tokens: tuple[str, ...] | None = None
+    type: str | None = None
+    after_id: str | None = None
+    limit: int | None = None
+
+
+@dataclass(frozen=True)
+class RelationSelect:
+    """One read of relations. `seen`: "current" (not retired, valid at `now`), "as_of" (not
+    retired, valid at `at`) or "all" (every stored edge, the history). `touching`: relations
+    with either end among these entity ids."""
+
+    scope: Scope = Scope()
+    ids: tuple[str, ...] | None = None
+    subjects: tuple[str, ...] | None = None
+    predicate: str | None = None
+    objects: tuple[str, ...] | None = None
+    value: str | None = None
+    touching: tuple[str, ...] | None = None
+    seen: Literal["current", "as_of", "all"] = "current"
+    at: datetime | None = None
+    limit: int | None = None
+
+
 class Tx(Protocol):
     """Write operations available inside `Store.write()`. Reads on the store see them."""
 
@@ -181,6 +232,24 @@ class Tx(Protocol):
     def erase_scope(self, scope: Scope) -> None:
         """Remove sessions and jobs of a scope (None fields match anything): they hold message
         text, so a scope's erasure must take them too."""
+
+    def put_entity(self, entity: Entity, keys: Sequence[tuple[str, NameKind]],
+                   embedding: np.ndarray | None = None) -> None:
+        """Insert or replace an entity (by id) and its index rows (normalised names, aliases,
+        tokens); without `embedding` a stored one is kept."""
+
+    def put_relation(self, relation: Relation) -> None:
+        """Insert or replace a relation (by id)."""
+
+    def put_mentions(self, mentions: Sequence[Mention]) -> None:
+        """Record that episodes mention entities (a pair already recorded is kept)."""
+
+    def erase_graph(self, entity_ids: Sequence[str] = (), relation_ids: Sequence[str] = ()) -> None:
+        """Remove entities (their index rows, mentions and every relation touching them) and
+        relations (and their history events)."""
+
+    def drop_mentions(self, episode_ids: Sequence[str]) -> None:
+        """Forget that these episodes mention anything (they are being erased)."""
 
 
 class Store(Protocol):
@@ -296,6 +365,41 @@ class Store(Protocol):
     def reclaim(self) -> None:
         """Make erased bytes unrecoverable from the files (checkpoint, purge free pages)."""
 
+    # -- the knowledge graph -------------------------------------------------------------------
+
+    def read_entities(self, sel: EntitySelect) -> list[Entity]:
+        """The entities `sel` selects, in creation order."""
+
+    def match_names(self, scope: Scope, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """(key, entity id) for every key among `keys` that is an entity's normalised name or
+        alias in the owner `scope`: the index that resolution and mention linking use."""
+
+    def entity_embeddings(self, scope: Scope, *, exact: bool = False,
+                          type: str | None = None) -> list[tuple[str, np.ndarray]]:
+        """(entity id, name embedding) of the owner's entities (of one type if given)."""
+
+    def read_relations(self, sel: RelationSelect) -> list[Relation]:
+        """The relations `sel` selects, with their ends' names, in creation order."""
+
+    def read_mentions(self, scope: Scope, *, entity_ids: Sequence[str] | None = None,
+                      episode_ids: Sequence[str] | None = None,
+                      limit: int | None = None) -> list[Mention]:
+        """Mentions of these entities / in these episodes, the most recent first."""
+
+    def mention_counts(self, scope: Scope, entity_ids: Sequence[str]) -> dict[str, int]:
+        """How many episodes mention each entity."""
+
+    def neighbours(self, scope: Scope, start: Sequence[str], depth: int, at: datetime,
+                   as_of: bool = False) -> dict[str, int]:
+        """Entity id -> hops from `start` (0 for the start) of every entity within `depth`
+        hops over the relations between entities that hold at `at` (current ones when not
+        `as_of`), in either direction."""
+
+    def find_path(self, scope: Scope, a: str, b: str, max_depth: int, at: datetime,
+             as_of: bool = False) -> list[str] | None:
+        """The relation ids of a shortest path from entity `a` to `b` (either direction), or
+        None when none within `max_depth` hops."""
+
 
 EXPORT_CHUNK = 500  # records read per statement while exporting
 
@@ -365,6 +469,35 @@ class StoreBase(ABC):
 
     @abstractmethod
     def reclaim(self) -> None: ...
+
+    @abstractmethod
+    def read_entities(self, sel: EntitySelect) -> list[Entity]: ...
+
+    @abstractmethod
+    def match_names(self, scope: Scope, keys: Sequence[str]) -> list[tuple[str, str]]: ...
+
+    @abstractmethod
+    def entity_embeddings(self, scope: Scope, *, exact: bool = False,
+                          type: str | None = None) -> list[tuple[str, np.ndarray]]: ...
+
+    @abstractmethod
+    def read_relations(self, sel: RelationSelect) -> list[Relation]: ...
+
+    @abstractmethod
+    def read_mentions(self, scope: Scope, *, entity_ids: Sequence[str] | None = None,
+                      episode_ids: Sequence[str] | None = None,
+                      limit: int | None = None) -> list[Mention]: ...
+
+    @abstractmethod
+    def mention_counts(self, scope: Scope, entity_ids: Sequence[str]) -> dict[str, int]: ...
+
+    @abstractmethod
+    def neighbours(self, scope: Scope, start: Sequence[str], depth: int, at: datetime,
+                   as_of: bool = False) -> dict[str, int]: ...
+
+    @abstractmethod
+    def find_path(self, scope: Scope, a: str, b: str, max_depth: int, at: datetime,
+             as_of: bool = False) -> list[str] | None: ...
 
     # -- conveniences --------------------------------------------------------------------------
 

@@ -14,10 +14,23 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
+import numpy as np
+
 from ..errors import Conflict
-from ..model import Event, Job, MemoryRecord, Scope, Session
+from ..model import Entity, Event, Job, MemoryRecord, Mention, Relation, Scope, Session
+from . import graph as g
 from . import records as r
-from .base import Candidate, Seen, Select, Stats, StoreBase, job_counts
+from .base import (
+    Candidate,
+    EntitySelect,
+    NameKind,
+    RelationSelect,
+    Seen,
+    Select,
+    Stats,
+    StoreBase,
+    job_counts,
+)
 
 Run = Callable[[str, Sequence[Any]], list[Any]]  # runs one statement, returns its rows
 
@@ -108,6 +121,64 @@ class SQLStore(StoreBase):
                      scopes=int(scopes), jobs=job_counts(jobs), db_bytes=size)
 
 
+    # -- the knowledge graph (store/graph.py) ------------------------------------------------
+
+    def read_entities(self, sel: EntitySelect) -> list[Entity]:
+        d = self.dialect
+        return [g.read_entity(d, row) for row in self._read(*g.select_entities(d, self.tenant, sel))]
+
+    def match_names(self, scope: Scope, keys: Sequence[str]) -> list[tuple[str, str]]:
+        d = self.dialect
+        keys = sorted(set(keys))
+        out: list[tuple[str, str]] = []
+        with self._reader() as run:
+            for i in range(0, len(keys), d.chunk):
+                out += [(k, e) for k, e in run(*g.match_names(d, self.tenant, scope,
+                                                              keys[i:i + d.chunk]))]
+        return out
+
+    def entity_embeddings(self, scope: Scope, *, exact: bool = False,
+                          type: str | None = None) -> list[tuple[str, np.ndarray]]:
+        rows = self._read(*g.select_embeddings(self.dialect, self.tenant, scope, exact, type))
+        return [(eid, np.frombuffer(bytes(blob), dtype=np.float32)) for eid, blob in rows]
+
+    def read_relations(self, sel: RelationSelect) -> list[Relation]:
+        d = self.dialect
+        return [g.read_relation(d, row)
+                for row in self._read(*g.select_relations(d, self.tenant, sel))]
+
+    def read_mentions(self, scope: Scope, *, entity_ids: Sequence[str] | None = None,
+                      episode_ids: Sequence[str] | None = None,
+                      limit: int | None = None) -> list[Mention]:
+        d = self.dialect
+        stmt = g.select_mentions(d, self.tenant, scope, entity_ids=entity_ids,
+                                 episode_ids=episode_ids, limit=limit)
+        return [g.read_mention(d, row) for row in self._read(*stmt)]
+
+    def mention_counts(self, scope: Scope, entity_ids: Sequence[str]) -> dict[str, int]:
+        if not entity_ids:
+            return {}
+        rows = self._read(*g.mention_counts(self.dialect, self.tenant, scope, entity_ids))
+        return {eid: int(n) for eid, n in rows}
+
+    def neighbours(self, scope: Scope, start: Sequence[str], depth: int, at: datetime,
+                   as_of: bool = False) -> dict[str, int]:
+        if not start:
+            return {}
+        stmt = g.neighbours(self.dialect, self.tenant, scope, start, depth,
+                            "as_of" if as_of else "current", at)
+        return {eid: int(n) for eid, n in self._read(*stmt)}
+
+    def find_path(self, scope: Scope, a: str, b: str, max_depth: int, at: datetime,
+             as_of: bool = False) -> list[str] | None:
+        if a == b:
+            return []
+        stmt = g.path(self.dialect, self.tenant, scope, a, b, max_depth,
+                      "as_of" if as_of else "current", at)
+        rows = self._read(*stmt)
+        return [x for x in rows[0][0].split(",") if x] if rows else None
+
+
 class SQLTx:
     """The writes of `Tx` that are plain statements; a backend adds insert, update, soft_delete
     and erase (they maintain its indexes)."""
@@ -146,3 +217,31 @@ class SQLTx:
     def erase_scope(self, scope: Scope) -> None:
         for stmt in r.erase_scope(self.dialect, self.tenant, scope):
             self._exec(*stmt)
+
+    # -- the knowledge graph (store/graph.py) ------------------------------------------------
+
+    def put_entity(self, entity: Entity, keys: Sequence[tuple[str, NameKind]],
+                   embedding: np.ndarray | None = None) -> None:
+        d = self.dialect
+        self._exec(*g.upsert_entity(d, self.tenant, entity, embedding))
+        for stmt in g.put_names(d, self.tenant, entity, keys):
+            self._exec(*stmt)
+
+    def put_relation(self, relation: Relation) -> None:
+        self._exec(*g.upsert_relation(self.dialect, self.tenant, relation))
+
+    def put_mentions(self, mentions: Sequence[Mention]) -> None:
+        for m in mentions:
+            self._exec(*g.insert_mention(self.dialect, self.tenant, m))
+
+    def erase_graph(self, entity_ids: Sequence[str] = (), relation_ids: Sequence[str] = ()) -> None:
+        d = self.dialect
+        for i in range(0, max(len(entity_ids), len(relation_ids)), d.chunk // 2):
+            for stmt in g.erase_statements(d, self.tenant, list(entity_ids[i:i + d.chunk // 2]),
+                                           list(relation_ids[i:i + d.chunk // 2])):
+                self._exec(*stmt)
+
+    def drop_mentions(self, episode_ids: Sequence[str]) -> None:
+        d = self.dialect
+        for i in range(0, len(episode_ids), d.chunk):
+            self._exec(*g.drop_mentions(d, self.tenant, list(episode_ids[i:i + d.chunk])))

@@ -29,7 +29,8 @@ MAX_INDEXED_DIM = 2000  # pgvector's HNSW limit for `vector`; wider keys are sea
 
 # Tables whose rows belong to a tenant: each gets the tenant policy below.
 TENANT_TABLES = ("memories", "memory_keys", "events", "meta", "jobs", "sessions", "lex_stats",
-                 "lex_terms")
+                 "lex_terms", "entities", "entity_names", "relations", "mentions")
+_GRAPH_TABLES = ("entities", "entity_names", "relations", "mentions")
 _TENANT_TABLES_0001 = ("memories", "memory_keys", "events", "meta", "jobs", "sessions")
 
 Step = str | Callable[[Connection], None]  # a statement, or a function that rewrites data
@@ -198,6 +199,51 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
         "ALTER TABLE memories FORCE ROW LEVEL SECURITY",
         *_tenant_policy("lex_stats"),
         *_tenant_policy("lex_terms"),
+    ]),
+    # The knowledge graph (docs/graph.md): entities with a name/alias index, relations with
+    # world and engram time, and the mentions that link entities to episodes.
+    ("0003_graph", [
+        f"""CREATE TABLE entities (
+            tenant {TEXT} NOT NULL,
+            id {TEXT} NOT NULL,
+            seq bigint GENERATED ALWAYS AS IDENTITY,
+            user_id {TEXT}, agent_id {TEXT},
+            name text NOT NULL, type {TEXT} NOT NULL,
+            aliases json NOT NULL, summary text NOT NULL, attributes json NOT NULL,
+            embedding bytea, provenance json NOT NULL,
+            created_at timestamptz NOT NULL, updated_at timestamptz NOT NULL,
+            PRIMARY KEY (tenant, id))""",
+        "CREATE INDEX entities_owner ON entities (tenant, user_id, agent_id, type)",
+        f"""CREATE TABLE entity_names (
+            tenant {TEXT} NOT NULL,
+            entity_id {TEXT} NOT NULL,
+            user_id {TEXT}, agent_id {TEXT},
+            key {TEXT} NOT NULL, kind {TEXT} NOT NULL,
+            FOREIGN KEY (tenant, entity_id) REFERENCES entities (tenant, id) ON DELETE CASCADE)""",
+        "CREATE INDEX entity_names_key ON entity_names (tenant, key, user_id, agent_id)",
+        "CREATE INDEX entity_names_entity ON entity_names (tenant, entity_id)",
+        f"""CREATE TABLE relations (
+            tenant {TEXT} NOT NULL,
+            id {TEXT} NOT NULL,
+            seq bigint GENERATED ALWAYS AS IDENTITY,
+            user_id {TEXT}, agent_id {TEXT},
+            subject_id {TEXT} NOT NULL, predicate {TEXT} NOT NULL,
+            object_id {TEXT}, value text, fact text NOT NULL,
+            valid_from timestamptz, valid_to timestamptz,
+            created_at timestamptz NOT NULL, expired_at timestamptz,
+            provenance json NOT NULL, confidence double precision NOT NULL,
+            metadata json NOT NULL,
+            PRIMARY KEY (tenant, id))""",
+        "CREATE INDEX relations_sp ON relations (tenant, subject_id, predicate)",
+        "CREATE INDEX relations_op ON relations (tenant, object_id, predicate)",
+        "CREATE INDEX relations_p ON relations (tenant, predicate, user_id, agent_id)",
+        f"""CREATE TABLE mentions (
+            tenant {TEXT} NOT NULL,
+            episode_id {TEXT} NOT NULL, entity_id {TEXT} NOT NULL,
+            user_id {TEXT}, agent_id {TEXT}, session_id {TEXT}, at timestamptz,
+            PRIMARY KEY (tenant, episode_id, entity_id))""",
+        "CREATE INDEX mentions_entity ON mentions (tenant, entity_id, at)",
+        *[stmt for table in _GRAPH_TABLES for stmt in _tenant_policy(table)],
     ]),
 ]
 

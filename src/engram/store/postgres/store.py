@@ -461,3 +461,13 @@ class PgTx(SQLTx):
     def erase_scope(self, scope: Scope) -> None:
         super().erase_scope(scope)
         self.erased_from |= {"sessions", "jobs"}
+
+    def erase_graph(self, entity_ids: Sequence[str] = (), relation_ids: Sequence[str] = ()) -> None:
+        super().erase_graph(entity_ids, relation_ids)
+        if entity_ids or relation_ids:
+            self.erased_from |= {"entities", "entity_names", "relations", "mentions", "events"}
+
+    def drop_mentions(self, episode_ids: Sequence[str]) -> None:
+        super().drop_mentions(episode_ids)
+        if episode_ids:
+            self.erased_from.add("mentions")

@@ -99,6 +99,43 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             created_at REAL NOT NULL, updated_at REAL NOT NULL, ended_at REAL)""",
         "CREATE INDEX sessions_user ON sessions(user_id, updated_at)",
     ]),
+    # The knowledge graph (docs/graph.md): entities with a name/alias index, relations with
+    # world and engram time, and the mentions that link entities to episodes.
+    ("0003_graph", [
+        """CREATE TABLE entities (
+            rid INTEGER PRIMARY KEY,
+            id TEXT NOT NULL UNIQUE,
+            user_id TEXT, agent_id TEXT,
+            name TEXT NOT NULL, type TEXT NOT NULL,
+            aliases TEXT NOT NULL, summary TEXT NOT NULL, attributes TEXT NOT NULL,
+            embedding BLOB, provenance TEXT NOT NULL,
+            created_at REAL NOT NULL, updated_at REAL NOT NULL)""",
+        "CREATE INDEX entities_owner ON entities(user_id, agent_id, type)",
+        # One row per normalised name, alias or name token of an entity: exact resolution and
+        # mention linking look keys up here instead of scanning names.
+        """CREATE TABLE entity_names (
+            entity_id TEXT NOT NULL REFERENCES entities(id) ON DELETE CASCADE,
+            user_id TEXT, agent_id TEXT,
+            key TEXT NOT NULL, kind TEXT NOT NULL)""",
+        "CREATE INDEX entity_names_key ON entity_names(key, user_id, agent_id)",
+        "CREATE INDEX entity_names_entity ON entity_names(entity_id)",
+        """CREATE TABLE relations (
+            rid INTEGER PRIMARY KEY,
+            id TEXT NOT NULL UNIQUE,
+            user_id TEXT, agent_id TEXT,
+            subject_id TEXT NOT NULL, predicate TEXT NOT NULL,
+            object_id TEXT, value TEXT, fact TEXT NOT NULL,
+            valid_from REAL, valid_to REAL, created_at REAL NOT NULL, expired_at REAL,
+            provenance TEXT NOT NULL, confidence REAL NOT NULL, metadata TEXT NOT NULL)""",
+        "CREATE INDEX relations_sp ON relations(subject_id, predicate)",
+        "CREATE INDEX relations_op ON relations(object_id, predicate)",
+        "CREATE INDEX relations_p ON relations(predicate, user_id, agent_id)",
+        """CREATE TABLE mentions (
+            episode_id TEXT NOT NULL, entity_id TEXT NOT NULL,
+            user_id TEXT, agent_id TEXT, session_id TEXT, at REAL,
+            PRIMARY KEY (episode_id, entity_id))""",
+        "CREATE INDEX mentions_entity ON mentions(entity_id, at)",
+    ]),
 ]
 
 
@@ -118,4 +155,6 @@ def migrate(db: Connections) -> None:
 
 
 def applied(db: Connections) -> list[str]:
-    return [r[0] for r in db.read("SELECT name FROM schema_migrations ORDER BY name")]
+    # In the order they were applied (rowid): names need not sort that way ("0003_graph"
+    # comes after "0003_jobs_sessions" here, as the PostgreSQL store names it 0003 too).
+    return [r[0] for r in db.read("SELECT name FROM schema_migrations ORDER BY rowid")]
