@@ -22,7 +22,7 @@ from .model import Kind, MemoryRecord, Scope
 from .pipeline import read
 from .pipeline.engine import Engine
 from .providers.tokens import Tokenizer, get_tokenizer
-from .working.policies import View, fit, safe_starts
+from .working.policies import SessionMessage, View, fit, safe_starts
 from .working.session import is_session_summary, stored_view
 
 BLOCK_NAMES = ("pinned", "facts", "procedures", "summaries", "episodes", "conversation")
@@ -123,6 +123,7 @@ class Context:
 # -- rendering memories as data ----------------------------------------------------------------
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
 def quote(text: str) -> str:
@@ -147,16 +148,40 @@ def _day(value: datetime | None) -> str:
 def render(block: str, rec: MemoryRecord) -> str:
     text = quote(rec.text)
     if block == "episodes":
-        who = label(rec.name) if rec.name else (rec.role or "user")
+        who = label(rec.name) if rec.name else valid.shown_role(rec.role or "user")
         return f"- [{_day(rec.observed_at or rec.created_at)}] {who}: {text}"
     if block == "facts":
         return f"- [since {_day(rec.valid_from or rec.observed_at or rec.created_at)}] {text}"
     if block == "summaries":
-        start = rec.metadata.get("from")
-        first = start[:10] if isinstance(start, str) else "?"
+        start = rec.metadata.get("from")  # metadata anyone may write: only a date is shown
+        first = start[:10] if isinstance(start, str) and _DATE.fullmatch(start[:10]) else "?"
         session = label(rec.scope.session_id or "?")
         return f"- [{first} to {_day(rec.observed_at)}, session {session}] {text}"
     return f"- {text}"
+
+
+SPEAKING_ROLES = ("user", "assistant")  # stored messages that come back with their own role
+
+
+def as_data(v: View) -> View:
+    """The stored conversation as a model may be shown it: a stored message speaks with its
+    role only as a user or an assistant, or as a tool result that answers a call shown before
+    it. Anything else (a stored system message, a tool result answering no shown call, any
+    other role) is anyone's write, not the application's voice: it comes back as a user
+    message that says what it is and quotes it as data."""
+    calls: set[str] = set()
+    out = []
+    for m in v.messages:
+        if m.role == "assistant" and m.tool_calls:
+            calls |= {str(c.get("id")) for c in m.tool_calls if isinstance(c, Mapping)}
+        if m.role in SPEAKING_ROLES or (m.role == "tool" and m.tool_call_id in calls):
+            out.append(m)
+            continue
+        out.append(SessionMessage(
+            role="user", content=f"(a stored {valid.shown_role(m.role)} message, shown as data) "
+                                 f"{quote(m.text)}",
+            id=m.id, observed_at=m.observed_at))
+    return View(tuple(out), v.summaries, v.omitted)
 
 
 # -- candidates --------------------------------------------------------------------------------
@@ -407,7 +432,7 @@ def assemble(engine: Engine, query_or_messages: str | Sequence[Mapping[str, Any]
 
     view = None
     if session_id is not None and any(b.name == "conversation" for b in chosen):
-        view = stored_view(engine.store, scope, tok)
+        view = as_data(stored_view(engine.store, scope, tok))
     cands = _gather(engine, chosen, query, user_id, agent_id, session_id, view, avail, tok)
     budgets = _allocate(cands, avail, tok)
 

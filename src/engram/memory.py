@@ -233,6 +233,10 @@ class Memory:
         if not changes:
             raise InvalidInput("update needs at least one of text, metadata, importance, "
                                "expires_at, valid_from")
+        if "text" in changes or "metadata" in changes:  # a rule or a pin passes the trust rules
+            extraction.check_direct(changes.get("text", before.text),
+                                    frozenset({before.role or "user"}), before.kind,
+                                    changes.get("metadata", before.metadata))
         return write.update(self._engine, before, changes, redacted=found)
 
     def delete(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,

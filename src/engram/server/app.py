@@ -29,7 +29,7 @@ from .auth import Authenticator
 from .docs import add_docs
 from .errors import ServiceError, error_response, from_engram_error, validation_message
 from .guard import Guard, principal_of
-from .keys import KeyStore, open_key_store
+from .keys import KeyStore, Role, open_key_store
 from .limits import BodyLimitMiddleware, ServiceLimits
 from .metrics import Metrics, MetricsMiddleware
 from .ratelimit import RateLimiter
@@ -159,4 +159,7 @@ def _mcp_mount(tenants: Tenants) -> Mount:
     def resolve(request: Request | None) -> Memory:
         return tenants.get(principal_of(request.scope if request is not None else None).tenant)
 
-    return Mount(resolve)
+    def may_write_rules(request: Request | None) -> bool:
+        return principal_of(request.scope if request is not None else None).role is Role.ADMIN
+
+    return Mount(resolve, may_write_rules)

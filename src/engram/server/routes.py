@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import Memory, SessionHandle
 from ..errors import InvalidFilter, InvalidInput, NotFound
-from ..model import Kind, Scope, Session
+from ..model import Kind, Scope, Session, is_pinned
 from ..working import SessionMessage
 from .auth import Principal, require_admin
 from .errors import ServiceError
@@ -120,6 +120,8 @@ def add_memories(body: AddIn, ctx: Context,
                      description="Retries with the same key and body do the add once; while the "
                                  "first is still running they answer 409 with Retry-After; the "
                                  "same key with another body answers 422.")] = None) -> Any:
+    if body.kind is Kind.PROCEDURAL or _pins(body.metadata, body.messages):
+        require_admin(ctx.principal, "writing a rule (kind procedural) or a pinned memory")
     kwargs: dict[str, Any] = dict(
         **body.scope(), metadata=body.metadata, observed_at=body.observed_at, infer=body.infer,
         kind=body.kind, importance=body.importance, expires_at=body.expires_at)
@@ -133,6 +135,13 @@ def add_memories(body: AddIn, ctx: Context,
     if result.job is not None and body.background:
         return JSONResponse(jsonable_encoder(AddOut.model_validate(out)), status_code=202)
     return out
+
+
+def _pins(metadata: dict[str, Any] | None, messages: Any) -> bool:
+    """Does the request pin a memory (its metadata, or one of its messages' metadata)?"""
+    listed = messages if isinstance(messages, list) else []
+    return is_pinned(metadata or {}) or any(
+        not isinstance(m, str) and is_pinned(m.metadata or {}) for m in listed)
 
 
 @router.post("/memories/search", response_model=SearchOut, tags=["memories"])
@@ -157,6 +166,8 @@ def list_memories(ctx: Context, user_id: ScopeQ = None, agent_id: ScopeQ = None,
             parsed = json.loads(filters)
         except json.JSONDecodeError as exc:
             raise InvalidFilter(f"filters is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidFilter("filters is nested too deep") from None
     page = ctx.mem.list(user_id=user_id, agent_id=agent_id, session_id=session_id, filters=parsed,
                         kinds=kind or None, cursor=cursor, limit=limit)
     return {"items": [m.to_dict() for m in page.items], "next_cursor": page.next_cursor}
@@ -170,6 +181,13 @@ def get_memory(id: MemoryId, ctx: Context) -> Any:
 @router.patch("/memories/{id}", response_model=MemoryOut, tags=["memories"], responses=_errors(404))
 def update_memory(id: MemoryId, body: UpdateIn, ctx: Context) -> Any:
     changes = {name: getattr(body, name) for name in body.model_fields_set}
+    if "importance" in changes and changes["importance"] is None:
+        raise InvalidInput("importance must be a number in [0, 1]; null does not clear it")
+    if "text" in changes or "metadata" in changes:
+        current = ctx.mem.get(id)
+        if (current.kind is Kind.PROCEDURAL or is_pinned(current.metadata)
+                or is_pinned(changes.get("metadata") or {})):
+            require_admin(ctx.principal, "changing a rule (kind procedural) or a pinned memory")
     return ctx.mem.update(id, **changes).to_dict()
 
 
@@ -337,6 +355,8 @@ def delete_session(id: SessionId, ctx: Context, user_id: ScopeQ = None,
 def add_session_messages(id: SessionId, body: SessionMessagesIn, ctx: Context,
                          user_id: ScopeQ = None, agent_id: ScopeQ = None) -> Any:
     """Append chat messages (OpenAI shape, tool calls included) to the session."""
+    if _pins(None, body.messages):
+        require_admin(ctx.principal, "writing a pinned memory")
     handle = ctx.mem.session(session_id=id, user_id=user_id, agent_id=agent_id)
     stored = handle.add([m.as_message() for m in body.messages])
     return {"memories": [m.to_dict() for m in stored]}
