@@ -330,6 +330,11 @@ class Memory:
         running), or until `timeout` seconds pass; returns the job as it then is."""
         return self._queue.wait(job_id, timeout)
 
+    def resume(self) -> bool:
+        """Start the in-process worker (ENGRAM_WORKER=thread) if jobs are waiting: queued ones,
+        or running ones whose lease has ended (their process died). True if it was started."""
+        return self._queue.resume()
+
     def work(self, *, until_idle: bool = False, stop: threading.Event | None = None,
              poll_s: float = 0.5) -> int:
         """Run queued jobs (this is what `engram worker` and the in-process worker do); returns

@@ -28,7 +28,9 @@ from ..model import Kind, Scope, Session, is_pinned
 from ..working import SessionMessage
 from .auth import Principal, require_admin
 from .errors import ServiceError
-from .ratelimit import retry_after_header
+from .guard import authorization
+from .limits import EMBED_CHARS_PER_UNIT, cost
+from .ratelimit import RateLimiter, retry_after_header
 from .schemas import (
     MAX_ID,
     MAX_PAGE,
@@ -86,19 +88,31 @@ BEARER = HTTPBearer(auto_error=False, scheme_name="bearer", bearerFormat="engram
 class Ctx:
     principal: Principal
     mem: Memory
+    limiter: RateLimiter
+
+
+def _texts(messages: Any) -> list[str]:
+    if isinstance(messages, str):
+        return [messages]
+    return [m if isinstance(m, str) else m.content for m in messages]
+
+
+def _charge(ctx: Ctx, texts: list[str]) -> None:
+    """Costly requests (much text to embed) pay for it from the tenant's rate-limit bucket."""
+    ctx.limiter.charge(ctx.principal.bucket, cost(texts))
 
 
 def _context(request: Request,
              _: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]) -> Ctx:
     """Authenticate, spend a rate-limit token, open the tenant's memory."""
     state = request.app.state
-    principal = state.auth(request.headers.get("authorization"))
+    principal = state.auth(authorization(request.headers.getlist("authorization")))
     wait = state.limiter.take(principal.bucket)
     if wait > 0:
         raise ServiceError(429, "rate_limited",
                            f"rate limit of {state.limiter.rate:g} requests/s reached; retry later",
                            {"Retry-After": retry_after_header(wait)})
-    return Ctx(principal, state.tenants.get(principal.tenant))
+    return Ctx(principal, state.tenants.get(principal.tenant), state.limiter)
 
 
 Context = Annotated[Ctx, Depends(_context)]
@@ -122,6 +136,7 @@ def add_memories(body: AddIn, ctx: Context,
                                  "same key with another body answers 422.")] = None) -> Any:
     if body.kind is Kind.PROCEDURAL or _pins(body.metadata, body.messages):
         require_admin(ctx.principal, "writing a rule (kind procedural) or a pinned memory")
+    _charge(ctx, _texts(body.messages))
     kwargs: dict[str, Any] = dict(
         **body.scope(), metadata=body.metadata, observed_at=body.observed_at, infer=body.infer,
         kind=body.kind, importance=body.importance, expires_at=body.expires_at)
@@ -243,6 +258,7 @@ async def import_(request: Request, ctx: Context) -> Any:
     """Read an export back: all or nothing; ids already present are skipped."""
     require_admin(ctx.principal, "import")
     body = await request.body()  # bounded by the body size limit
+    ctx.limiter.charge(ctx.principal.bucket, len(body) / EMBED_CHARS_PER_UNIT)
 
     def run() -> int:
         with tempfile.TemporaryDirectory(prefix="engram-import-") as tmp:
@@ -279,6 +295,23 @@ def _find_session(mem: Memory, id: str, user_id: str | None, agent_id: str | Non
 def _handle(mem: Memory, id: str, user_id: str | None, agent_id: str | None) -> SessionHandle:
     scope = _find_session(mem, id, user_id, agent_id).scope
     return mem.session(session_id=id, user_id=scope.user_id, agent_id=scope.agent_id)
+
+
+def _unambiguous(mem: Memory, scope: Scope, user_id: str | None, agent_id: str | None) -> None:
+    """An erasure names one session: refuse when messages of this session id are stored in
+    another scope the request's user_id / agent_id would also match (a session row is not the
+    only sign of a session: messages added with its id are one too)."""
+    cursor = None
+    while True:
+        page = mem.list(user_id=user_id, agent_id=agent_id, session_id=scope.session_id,
+                        cursor=cursor, limit=MAX_PAGE)
+        other = next((m.scope for m in page.items if m.scope != scope), None)
+        if other is not None:
+            raise InvalidInput(f"session id {scope.session_id!r} is ambiguous: it is stored in "
+                               "several scopes; give user_id / agent_id")
+        if page.next_cursor is None:
+            return
+        cursor = page.next_cursor
 
 
 def _message_out(m: SessionMessage) -> dict[str, Any]:
@@ -346,7 +379,10 @@ def delete_session(id: SessionId, ctx: Context, user_id: ScopeQ = None,
                    agent_id: ScopeQ = None) -> Response:
     """Erase the session: its messages, summaries and row (an admin key: this is an erasure)."""
     require_admin(ctx.principal, "deleting a session")
-    _handle(ctx.mem, id, user_id, agent_id).delete()
+    handle = _handle(ctx.mem, id, user_id, agent_id)
+    if user_id is None or agent_id is None:
+        _unambiguous(ctx.mem, handle.scope, user_id, agent_id)
+    handle.delete()
     return Response(status_code=204)
 
 
@@ -357,6 +393,7 @@ def add_session_messages(id: SessionId, body: SessionMessagesIn, ctx: Context,
     """Append chat messages (OpenAI shape, tool calls included) to the session."""
     if _pins(None, body.messages):
         require_admin(ctx.principal, "writing a pinned memory")
+    _charge(ctx, [m.content or "" for m in body.messages])
     handle = ctx.mem.session(session_id=id, user_id=user_id, agent_id=agent_id)
     stored = handle.add([m.as_message() for m in body.messages])
     return {"memories": [m.to_dict() for m in stored]}
