@@ -60,13 +60,14 @@ def test_library_raises_typed_errors(mem: Memory) -> None:
 # -- the service -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("method,url,body", [
-    ("POST", "/v1/memories/search", '{"query": "x", "filters": {"a": %d}}' % HUGE),
-    ("POST", "/v1/memories/search", '{"query": "x", "filters": %s}' % ('{"a":' * 4000 + "1" + "}" * 4000)),
+    ("POST", "/v1/memories/search", '{"query": "x", "filters": {"a": ' + str(HUGE) + "}}"),
+    ("POST", "/v1/memories/search", '{"query": "x", "filters": ' + '{"a":' * 4000 + "1" + "}" * 4001),
     ("POST", "/v1/memories/search", json.dumps({"query": "x", "filters": {f"k{i}": i for i in range(2000)}})),
     ("POST", "/v1/memories", json.dumps({"messages": "hi", "metadata": _nested(470)})),
-    ("POST", "/v1/memories", '{"messages": "hi", "metadata": {"n": %d}}' % HUGE),
+    ("POST", "/v1/memories", '{"messages": "hi", "metadata": {"n": ' + str(HUGE) + "}}"),
     ("POST", "/v1/memories", '{"messages": [{"role": "user", "name": "\\ud800", "content": "hi"}]}'),
-    ("POST", "/v1/sessions/s/messages", '{"messages": [{"role": "user", "name": "\\ud800", "content": "hi"}]}'),
+    ("POST", "/v1/sessions/s/messages",
+     '{"messages": [{"role": "user", "name": "\\ud800", "content": "hi"}]}'),
     ("POST", "/v1/memories", '{"messages": [{"role": "user", "content": "\\ud800 hi"}]}'),
     ("POST", "/v1/memories", '{"messages": "hi", "user_id": {"a": 1}}'),
 ])
@@ -78,7 +79,7 @@ def test_bad_input_answers_422(svc: Service, method: str, url: str, body: str) -
 
 
 def test_filters_in_the_query_string(svc: Service) -> None:
-    for filters in ('{"a": %d}' % HUGE, '{"a":' * 1500 + "1" + "}" * 1500):
+    for filters in (f'{{"a": {HUGE}}}', '{"a":' * 1500 + "1" + "}" * 1500):
         r = svc.call("a-admin", "GET", "/v1/memories", params={"filters": filters})
         assert r.status_code == 422 and error_code(r) == "invalid_filter", r.text[:200]
 
@@ -143,14 +144,13 @@ def test_import_reads_the_header_first(tmp_path: Path, embedder: MiniLM) -> None
     with huge.open("w") as f:  # 40 MB on one line, not an export
         for _ in range(40):
             f.write("x" * 1_000_000)
-    with Memory(tmp_path / "m.db", embedder=embedder) as m:
-        with pytest.raises(InvalidImport, match="header"):
-            m.import_(huge)
+    with Memory(tmp_path / "m.db", embedder=embedder) as m, pytest.raises(InvalidImport, match="header"):
+        m.import_(huge)
 
 
 def test_cli_prints_no_traceback(tmp_path: Path) -> None:
     db = str(tmp_path / "c.db")
     r = CliRunner().invoke(cli, ["--db", db, "search", "x", "--user", "u",
-                                 "--filter", '{"a": %d}' % HUGE])
+                                 "--filter", f'{{"a": {HUGE}}}'])
     assert r.exit_code != 0 and "Traceback" not in r.output, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)

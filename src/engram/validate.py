@@ -3,6 +3,7 @@ raise `InvalidInput` before anything is written (ARCHITECTURE rule 9)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -106,6 +107,15 @@ def scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:
         if value is not None:
             ident(value, name)
     return Scope(user_id, agent_id, session_id)
+
+
+def pseudonymous(s: Scope) -> Scope:
+    """A scope as an erasure's record keeps it: each id replaced by `sha256:` and 16 hex digits
+    of its hash, so the record proves which scope went without naming it (an email address
+    used as user_id is not kept in clear)."""
+    def h(v: str | None) -> str | None:
+        return None if v is None else "sha256:" + hashlib.sha256(v.encode()).hexdigest()[:16]
+    return Scope(h(s.user_id), h(s.agent_id), h(s.session_id))
 
 
 def in_scope(rec: Scope, wanted: Scope) -> bool:

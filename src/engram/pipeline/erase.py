@@ -75,10 +75,14 @@ def _erase(engine: Engine, ids: list[str], scope: Scope, moved: list[tuple[Memor
         else:
             tx.erase_scope(scope)  # sessions (their summaries) and jobs (their payloads)
         reason = f"session deleted: {len(ids)} memories" if exact else f"erased {len(ids)} memories"
-        tx.append(Event(id=new_id(), memory_id=single, type=EventType.ERASE, at=now, scope=scope,
-                        reason=reason))
+        # The record of a scope's erasure does not name whom it erased (a user id is often an
+        # email address): its ids are hashed. One memory's ERASE keeps the memory's scope, so
+        # its history stays readable in that scope only.
+        tx.append(Event(id=new_id(), memory_id=single, type=EventType.ERASE, at=now,
+                        scope=scope if single else valid.pseudonymous(scope), reason=reason))
     store.reclaim()
-    log.info("erased %d memories (%s)", len(ids), f"id {single}" if single else scope)
+    log.info("erased %d memories (%s)", len(ids),
+             f"id {single}" if single else valid.pseudonymous(scope))
     return len(ids)
 
 

@@ -24,8 +24,7 @@ import numpy as np
 from .. import Memory
 from ..config import Config
 from ..errors import StoreUnavailable
-from ..store import Stores
-from ..store import tenant_path
+from ..store import Stores, tenant_path
 
 if TYPE_CHECKING:
     from ..providers.embedders import Embedder
