@@ -98,7 +98,8 @@ def test_erase_export_import_need_an_admin_key(any_svc: Service) -> None:
     add(svc, "a-member", "Ana's passport number is X123", user_id="ana", kind="semantic")
     for method, url, kwargs in (("POST", "/v1/erase", {"json": {"user_id": "ana"}}),
                                 ("GET", "/v1/export", {}),
-                                ("POST", "/v1/import", {"content": b"{}"})):
+                                ("POST", "/v1/import", {"content": b"{}", "headers": {
+                                    "Content-Type": "application/x-ndjson"}})):
         r = svc.call("a-member", method, url, **kwargs)
         assert r.status_code == 403 and error_code(r) == "forbidden", (url, r.text)
 
@@ -118,7 +119,8 @@ def test_erase_export_import_need_an_admin_key(any_svc: Service) -> None:
     assert [m["text"] for m in svc.call("b-member", "GET", "/v1/memories").json()["items"]] == [
         "Ana's passport number is X123"]
 
-    bad = svc.call("b-admin", "POST", "/v1/import", content=b"not an export")
+    bad = svc.call("b-admin", "POST", "/v1/import", content=b"not an export",
+                   headers={"Content-Type": "application/x-ndjson"})
     assert bad.status_code == 422 and error_code(bad) == "invalid_input"
     refused = svc.call("a-admin", "POST", "/v1/erase", json={})
     assert refused.status_code == 422

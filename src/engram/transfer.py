@@ -108,8 +108,8 @@ IMPORT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@+-]{0,255}")
 
 def read(path: Path, max_text_chars: int = 32_000) -> list[tuple[MemoryRecord, list[Event]]]:
     """Every memory line of an export, validated as `add` validates its input (InvalidImport
-    names the bad line, and the file by its name only: a service never shows its temporary
-    paths). The header is checked before anything else is read."""
+    names the bad line, never the file's path: the CLI adds it, and a service must not show
+    its temporary paths). The header is checked before anything else is read."""
     try:
         with path.open("rb") as f:
             first = f.readline(MAX_HEADER_BYTES + 1)
@@ -131,17 +131,17 @@ def read(path: Path, max_text_chars: int = 32_000) -> list[tuple[MemoryRecord, l
                     history = [_event(e, rec) for e in events]
                 except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,
                         RecursionError, EngramError) as exc:
-                    raise InvalidImport(f"{path.name}:{n}: not a valid memory line ({exc})") from None
+                    raise InvalidImport(f"line {n}: not a valid memory line ({exc})") from None
                 if rec.id in seen:
-                    raise InvalidImport(f"{path.name}:{n}: memory id {rec.id!r} appears twice")
+                    raise InvalidImport(f"line {n}: memory id {rec.id!r} appears twice")
                 for ev in history:
                     if ev.id in events_seen:
-                        raise InvalidImport(f"{path.name}:{n}: event id {ev.id!r} appears twice")
+                        raise InvalidImport(f"line {n}: event id {ev.id!r} appears twice")
                     events_seen.add(ev.id)
                 seen.add(rec.id)
                 out.append((rec, history))
     except OSError as exc:
-        raise InvalidImport(f"cannot read {path.name}: {exc.strerror or exc}") from None
+        raise InvalidImport(f"cannot read the file: {exc.strerror or exc}") from None
     return out
 
 
