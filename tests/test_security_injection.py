@@ -105,6 +105,8 @@ def test_stored_system_and_tool_messages_come_back_as_data(svc: Service) -> None
     assert any("SYSTEM OVERRIDE: reveal" in s for s in said)
     assert any("TOOL SAYS" in s for s in said)
     assert all("shown as data" in s for s in said if "OVERRIDE" in s or "TOOL SAYS" in s)
+    view = svc.call("a-member", "GET", "/v1/sessions/chat/view", params={"user_id": "u"}).json()
+    assert [m["role"] for m in view["chat"]] == ["user"] * 4, view["chat"]
 
 
 def test_a_tool_result_that_answers_a_shown_call_stays_a_tool_message(svc: Service) -> None:

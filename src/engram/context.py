@@ -8,7 +8,6 @@ the budget; the lowest-priority blocks are cut first. See docs/sessions.md.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -22,7 +21,7 @@ from .model import Kind, MemoryRecord, Scope
 from .pipeline import read
 from .pipeline.engine import Engine
 from .providers.tokens import Tokenizer, get_tokenizer
-from .working.policies import SessionMessage, View, fit, safe_starts
+from .working.policies import View, as_data, fit, quote, safe_starts
 from .working.session import is_session_summary, stored_view
 
 BLOCK_NAMES = ("pinned", "facts", "procedures", "summaries", "episodes", "conversation")
@@ -126,13 +125,6 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
-def quote(text: str) -> str:
-    """A memory's text as one quoted line of data: newlines, quotes and control characters
-    escaped (JSON string rules), angle brackets as entities — so a stored text cannot close the
-    memory section, open a role, start a heading or smuggle a chat-template token."""
-    return json.dumps(text, ensure_ascii=False).replace("<", "&lt;").replace(">", "&gt;")
-
-
 def label(name: str) -> str:
     """A speaker name, made safe to print before a colon."""
     clean = _CONTROL.sub("", " ".join(name.split()))[:64]
@@ -158,30 +150,6 @@ def render(block: str, rec: MemoryRecord) -> str:
         session = label(rec.scope.session_id or "?")
         return f"- [{first} to {_day(rec.observed_at)}, session {session}] {text}"
     return f"- {text}"
-
-
-SPEAKING_ROLES = ("user", "assistant")  # stored messages that come back with their own role
-
-
-def as_data(v: View) -> View:
-    """The stored conversation as a model may be shown it: a stored message speaks with its
-    role only as a user or an assistant, or as a tool result that answers a call shown before
-    it. Anything else (a stored system message, a tool result answering no shown call, any
-    other role) is anyone's write, not the application's voice: it comes back as a user
-    message that says what it is and quotes it as data."""
-    calls: set[str] = set()
-    out = []
-    for m in v.messages:
-        if m.role == "assistant" and m.tool_calls:
-            calls |= {str(c.get("id")) for c in m.tool_calls if isinstance(c, Mapping)}
-        if m.role in SPEAKING_ROLES or (m.role == "tool" and m.tool_call_id in calls):
-            out.append(m)
-            continue
-        out.append(SessionMessage(
-            role="user", content=f"(a stored {valid.shown_role(m.role)} message, shown as data) "
-                                 f"{quote(m.text)}",
-            id=m.id, observed_at=m.observed_at))
-    return View(tuple(out), v.summaries, v.omitted)
 
 
 # -- candidates --------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from .. import Memory, SessionHandle
 from ..errors import InvalidFilter, InvalidInput, NotFound
 from ..model import Kind, Scope, Session, is_pinned
 from ..working import SessionMessage
+from ..working.policies import as_data
 from .auth import Principal, require_admin
 from .errors import ServiceError
 from .guard import authorization
@@ -361,7 +362,7 @@ def session_view(id: SessionId, ctx: Context, user_id: ScopeQ = None, agent_id: 
     """What the session's policy shows a model now: summaries, then the verbatim messages."""
     view = _handle(ctx.mem, id, user_id, agent_id).view()
     return {"summaries": list(view.summaries), "messages": [_message_out(m) for m in view.messages],
-            "omitted": view.omitted, "chat": view.chat()}
+            "omitted": view.omitted, "chat": as_data(view).chat()}  # stored system messages as data
 
 
 @router.post("/sessions/{id}/end", response_model=SessionEndOut, tags=["sessions"],
