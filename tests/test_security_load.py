@@ -154,3 +154,9 @@ def test_resume_does_nothing_without_a_thread_worker(tmp_path: Path, embedder: M
     with Memory(config=Config(path=tmp_path / "m.db", worker=worker), embedder=embedder) as mem:
         mem.add("queued", user_id="u", background=True)
         assert mem.resume() is False
+
+
+def test_the_gate_lets_slots_turns_run_at_once() -> None:
+    gate = FairGate(slots=2)
+    with gate.turn("a"), gate.turn("b"):  # with one slot the second would wait forever
+        assert list(gate.granted) == ["a", "b"] and gate.waiting() == {}

@@ -30,18 +30,21 @@ if TYPE_CHECKING:
     from ..providers.embedders import Embedder
 
 CHUNK = 32  # texts embedded per turn: ~0.1-0.3 s of MiniLM on a 2-core machine
+EMBED_SLOTS = 2  # turns at the embedder at once
 
 
 class FairGate:
-    """Turns at a shared resource, round-robin across tenants (FIFO within a tenant).
+    """Turns at a shared resource, round-robin across tenants (FIFO within a tenant), with up to
+    `slots` turns at once (two let the embedder's group commit merge concurrent calls into one
+    forward pass; a waiting tenant still waits for at most the turns in progress).
 
     `granted` keeps the order of the last turns given (for tests and debugging)."""
 
-    def __init__(self, history: int = 1000) -> None:
+    def __init__(self, slots: int = 1, history: int = 1000) -> None:
         self._cond = threading.Condition()
         self._lines: dict[str | None, deque[object]] = {}
         self._ring: deque[str | None] = deque()  # tenants with someone waiting, next first
-        self._busy = False
+        self._free = slots
         self.granted: deque[str | None] = deque(maxlen=history)
 
     def waiting(self) -> dict[str | None, int]:
@@ -56,9 +59,9 @@ class FairGate:
                 self._lines[tenant] = deque()
                 self._ring.append(tenant)
             self._lines[tenant].append(ticket)
-            while self._busy or self._lines[self._ring[0]][0] is not ticket:
+            while not self._free or self._lines[self._ring[0]][0] is not ticket:
                 self._cond.wait()
-            self._busy = True
+            self._free -= 1
             line = self._lines[tenant]
             line.popleft()
             self._ring.popleft()
@@ -71,7 +74,7 @@ class FairGate:
             yield
         finally:
             with self._cond:
-                self._busy = False
+                self._free += 1
                 self._cond.notify_all()
 
 
@@ -107,7 +110,7 @@ class Tenants:
     def __init__(self, config: Config, embedder: Embedder) -> None:
         self.config = config
         self.embedder = embedder
-        self.gate = FairGate()
+        self.gate = FairGate(slots=EMBED_SLOTS)
         self._open: dict[str | None, Memory] = {}
         self._lock = threading.Lock()
         self._opening: dict[str | None, threading.Lock] = {}
