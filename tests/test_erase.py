@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -80,10 +81,12 @@ def test_erase_leaves_an_audit_line_without_the_text(populated) -> None:
                             "WHERE type = 'ERASE'").fetchall()
     assert len(rows) == 1
     typ, uid, before, after, reason = rows[0]
-    assert (typ, uid, before) == ("ERASE", "A", None)
+    # the erased user is not named in clear (issue 14): its id is hashed
+    hashed = "sha256:" + hashlib.sha256(b"A").hexdigest()[:16]
+    assert (typ, uid, before) == ("ERASE", hashed, None)
     assert CANARY not in (reason or "") and CANARY not in after  # the receipt: counts only
     (receipt,) = mem.receipts(user_id="A")
-    assert (receipt.target, receipt.memories, receipt.scope.user_id) == ("scope", 6, "A")
+    assert (receipt.target, receipt.memories, receipt.scope.user_id) == ("scope", 6, hashed)
     assert receipt.by_kind == {"episodic": 5, "semantic": 1}
     assert CANARY not in str(receipt.to_dict())
 

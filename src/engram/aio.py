@@ -229,6 +229,9 @@ class AsyncMemory:
     async def wait(self, job_id: str, timeout: float | None = None) -> Job:
         return await _in_thread(self.sync.wait, job_id, timeout)
 
+    async def resume(self) -> bool:
+        return await _in_thread(self.sync.resume)
+
     async def work(self, *, until_idle: bool = False, stop: threading.Event | None = None,
                    poll_s: float = 0.5) -> int:
         return await _in_thread(self.sync.work, until_idle=until_idle, stop=stop, poll_s=poll_s)

@@ -8,7 +8,6 @@ the budget; the lowest-priority blocks are cut first. See docs/sessions.md.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -22,7 +21,7 @@ from .model import Kind, MemoryRecord, Scope
 from .pipeline import entities, read
 from .pipeline.engine import Engine
 from .providers.tokens import Tokenizer, get_tokenizer
-from .working.policies import View, fit, safe_starts
+from .working.policies import View, as_data, fit, quote, safe_starts
 from .working.session import is_session_summary, stored_view
 
 BLOCK_NAMES = ("pinned", "facts", "procedures", "summaries", "episodes", "conversation",
@@ -126,13 +125,7 @@ class Context:
 # -- rendering memories as data ----------------------------------------------------------------
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-
-
-def quote(text: str) -> str:
-    """A memory's text as one quoted line of data: newlines, quotes and control characters
-    escaped (JSON string rules), angle brackets as entities — so a stored text cannot close the
-    memory section, open a role, start a heading or smuggle a chat-template token."""
-    return json.dumps(text, ensure_ascii=False).replace("<", "&lt;").replace(">", "&gt;")
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
 def label(name: str) -> str:
@@ -150,13 +143,13 @@ def _day(value: datetime | None) -> str:
 def render(block: str, rec: MemoryRecord) -> str:
     text = quote(rec.text)
     if block == "episodes":
-        who = label(rec.name) if rec.name else (rec.role or "user")
+        who = label(rec.name) if rec.name else valid.shown_role(rec.role or "user")
         return f"- [{_day(rec.observed_at or rec.created_at)}] {who}: {text}"
     if block == "facts":
         return f"- [since {_day(rec.valid_from or rec.observed_at or rec.created_at)}] {text}"
     if block == "summaries":
-        start = rec.metadata.get("from")
-        first = start[:10] if isinstance(start, str) else "?"
+        start = rec.metadata.get("from")  # metadata anyone may write: only a date is shown
+        first = start[:10] if isinstance(start, str) and _DATE.fullmatch(start[:10]) else "?"
         session = label(rec.scope.session_id or "?")
         return f"- [{first} to {_day(rec.observed_at)}, session {session}] {text}"
     return f"- {text}"
@@ -418,7 +411,7 @@ def assemble(engine: Engine, query_or_messages: str | Sequence[Mapping[str, Any]
 
     view = None
     if session_id is not None and any(b.name == "conversation" for b in chosen):
-        view = stored_view(engine.store, scope, tok)
+        view = as_data(stored_view(engine.store, scope, tok))
     cands = _gather(engine, chosen, query, user_id, agent_id, session_id, view, avail, tok)
     budgets = _allocate(cands, avail, tok)
 

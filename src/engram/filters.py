@@ -25,6 +25,9 @@ TIME_FIELDS = frozenset({"created_at", "updated_at", "observed_at", "valid_from"
                          "expires_at", "last_accessed_at"})
 RECORD_FIELDS = TIME_FIELDS | {"importance", "access_count", "role", "name", "kind", "id"}
 OPS = frozenset({"eq", "ne", "in", "nin", "gt", "gte", "lt", "lte"})
+MAX_CONDITIONS = 100  # keys of one filter: more is no query anyone means, and SQL has limits
+MAX_VALUES = 1000     # values of one in / nin list
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # what the databases compare as integers
 _KEY = re.compile(r"^[A-Za-z0-9_\-.:]{1,128}$")
 
 Scalar = str | int | float | bool | None
@@ -43,6 +46,8 @@ def parse_filters(filters: Mapping[str, Any] | None) -> tuple[Condition, ...]:
         return ()
     if not isinstance(filters, Mapping):
         raise InvalidFilter(f"filters must be a mapping, not {type(filters).__name__}")
+    if len(filters) > MAX_CONDITIONS:
+        raise InvalidFilter(f"filters has {len(filters)} keys; the limit is {MAX_CONDITIONS} conditions")
     out: list[Condition] = []
     for key, spec in filters.items():
         if not isinstance(key, str) or not _KEY.match(key):
@@ -50,6 +55,8 @@ def parse_filters(filters: Mapping[str, Any] | None) -> tuple[Condition, ...]:
         ops = spec if isinstance(spec, Mapping) else {"eq": spec}
         if not ops:
             raise InvalidFilter(f"filter on {key!r} has no operator")
+        if len(ops) > len(OPS):
+            raise InvalidFilter(f"filter on {key!r} has {len(ops)} operators")
         for op, value in ops.items():
             if op not in OPS:
                 raise InvalidFilter(f"unknown operator {op!r} on {key!r}; use one of {sorted(OPS)}")
@@ -61,6 +68,8 @@ def _value(key: str, op: str, value: Any) -> Any:
     if op in ("in", "nin"):
         if not isinstance(value, list | tuple) or not value:
             raise InvalidFilter(f"{op!r} on {key!r} needs a non-empty list")
+        if len(value) > MAX_VALUES:
+            raise InvalidFilter(f"{op!r} on {key!r} lists {len(value)} values; the limit is {MAX_VALUES}")
         return tuple(_scalar(key, v) for v in value)
     v = _scalar(key, value)
     if op in ("gt", "gte", "lt", "lte") and (v is None or isinstance(v, bool)):
@@ -89,6 +98,8 @@ def _scalar(key: str, value: Any) -> Scalar:
     if value is None or isinstance(value, str | int | float | bool):
         if isinstance(value, float) and value != value:
             raise InvalidFilter(f"NaN is not a valid filter value for {key!r}")
+        if isinstance(value, int) and not isinstance(value, bool) and not INT_MIN <= value <= INT_MAX:
+            raise InvalidFilter(f"filter value for {key!r} is an integer outside the 64-bit range")
         if isinstance(value, str):
             try:
                 value.encode("utf-8")

@@ -269,6 +269,17 @@ class Queue:
                                                 name="engram-worker", daemon=True)
                 self._worker.start()
 
+    def resume(self) -> bool:
+        """Start the worker if the store holds runnable jobs (queued, or running past their
+        lease: a process that died mid-job), e.g. when a service opens a tenant after a crash."""
+        if self.engine.config.worker != "thread":
+            return False
+        jobs = self.engine.store.stats(Scope(), utcnow()).jobs
+        if not (jobs.get(JobStatus.QUEUED.value) or jobs.get(JobStatus.RUNNING.value)):
+            return False
+        self.start()
+        return True
+
     def stop(self) -> None:
         """Ask the worker to stop after its current job."""
         self._stop.set()

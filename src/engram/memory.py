@@ -241,6 +241,10 @@ class Memory:
         if not changes:
             raise InvalidInput("update needs at least one of text, metadata, importance, "
                                "expires_at, valid_from")
+        if "text" in changes or "metadata" in changes:  # a rule or a pin passes the trust rules
+            extraction.check_direct(changes.get("text", before.text),
+                                    frozenset({before.role or "user"}), before.kind,
+                                    changes.get("metadata", before.metadata))
         return write.update(self._engine, before, changes, redacted=found)
 
     def delete(self, id: str, *, user_id: str | None = None, agent_id: str | None = None,
@@ -447,6 +451,11 @@ class Memory:
         """Block until a job is done or failed (running it in this process if no worker is
         running), or until `timeout` seconds pass; returns the job as it then is."""
         return self._queue.wait(job_id, timeout)
+
+    def resume(self) -> bool:
+        """Start the in-process worker (ENGRAM_WORKER=thread) if jobs are waiting: queued ones,
+        or running ones whose lease has ended (their process died). True if it was started."""
+        return self._queue.resume()
 
     def work(self, *, until_idle: bool = False, stop: threading.Event | None = None,
              poll_s: float = 0.5) -> int:

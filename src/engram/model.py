@@ -382,6 +382,13 @@ class Unset:
 UNSET = Unset()
 
 
+def is_pinned(metadata: Mapping[str, Any]) -> bool:
+    """Does this metadata pin the memory (what the context's "pinned" block selects)? A pin is
+    shown to the model with authority: only trusted text and, in the service, admin keys."""
+    value = metadata.get("pinned")
+    return value is True or (type(value) in (int, float) and value == 1)
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 

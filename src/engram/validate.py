@@ -3,7 +3,9 @@ raise `InvalidInput` before anything is written (ARCHITECTURE rule 9)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -13,6 +15,9 @@ from .model import Kind, Message, Scope, as_utc
 
 MAX_ID_CHARS = 256
 MAX_LIMIT = 1000
+# A role is one word ("user", "assistant", "tool", "document", ...): it is printed before a
+# colon and as a chat role, so no newline, bracket or markup may ride in it.
+ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 
 def ident(value: Any, what: str = "id") -> str:
@@ -72,13 +77,10 @@ def message(m: Any, max_chars: int) -> Message:
         raise InvalidInput(f"unknown message fields: {sorted(unknown)}")
     if "content" not in m:
         raise InvalidInput("a message needs a 'content'")
-    role = m.get("role", "user")
-    if not isinstance(role, str) or not role:
-        raise InvalidInput("a message 'role' must be a non-empty string")
+    role = message_role(m.get("role", "user"))
     name = m.get("name")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise InvalidInput("a message 'name' must be a non-empty string")
-    utf8(role, "a message 'role'")
     if name is not None:
         utf8(name, "a message 'name'")
     return Message(content=text(m["content"], max_chars), role=role, name=name,
@@ -86,11 +88,34 @@ def message(m: Any, max_chars: int) -> Message:
                    metadata=metadata(m.get("metadata")))
 
 
+def message_role(value: Any) -> str:
+    """A message's role: one word of letters, digits, `_`, `.` or `-` (at most 64)."""
+    if not isinstance(value, str) or not ROLE.fullmatch(value):
+        raise InvalidInput("a message 'role' must be one word of at most 64 letters, digits, "
+                           f"'_', '.' or '-' (such as user, assistant, tool), not {value!r:.80}")
+    return value
+
+
+def shown_role(value: str | None) -> str:
+    """A stored role as it may be printed: itself when it is a valid role, else "unknown" (a
+    record written before roles were checked, or by another tool, stays data)."""
+    return value if value is not None and ROLE.fullmatch(value) else "unknown"
+
+
 def scope(user_id: Any, agent_id: Any, session_id: Any) -> Scope:
     for name, value in (("user_id", user_id), ("agent_id", agent_id), ("session_id", session_id)):
         if value is not None:
             ident(value, name)
     return Scope(user_id, agent_id, session_id)
+
+
+def pseudonymous(s: Scope) -> Scope:
+    """A scope as an erasure's record keeps it: each id replaced by `sha256:` and 16 hex digits
+    of its hash, so the record proves which scope went without naming it (an email address
+    used as user_id is not kept in clear)."""
+    def h(v: str | None) -> str | None:
+        return None if v is None else "sha256:" + hashlib.sha256(v.encode()).hexdigest()[:16]
+    return Scope(h(s.user_id), h(s.agent_id), h(s.session_id))
 
 
 def in_scope(rec: Scope, wanted: Scope) -> bool:
@@ -114,6 +139,7 @@ def metadata(meta: Any) -> dict[str, Any]:
         raise InvalidInput(f"metadata must be a mapping, not {type(meta).__name__}")
     if not all(isinstance(k, str) for k in meta):
         raise InvalidInput("metadata keys must be strings")
+    json_value(meta, "metadata")
     try:
         encoded = json.dumps(dict(meta), allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
@@ -123,6 +149,25 @@ def metadata(meta: Any) -> dict[str, Any]:
     if has_nul(decoded):  # PostgreSQL's jsonb refuses \u0000
         raise InvalidInput("metadata contains a NUL character")
     return decoded
+
+
+MAX_DEPTH = 32  # nesting of metadata and event snapshots (deeper breaks JSON parsers)
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1  # what every database stores as an integer
+
+
+def json_value(value: Any, what: str) -> None:
+    """Refuse JSON that databases and parsers cannot take: nested deeper than `MAX_DEPTH` or
+    holding an integer outside 64 bits. Walked with a stack, not recursion, so a value nested
+    thousands deep is refused, never a RecursionError."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, Mapping | list | tuple):
+            if depth >= MAX_DEPTH:
+                raise InvalidInput(f"{what} is nested deeper than {MAX_DEPTH} levels")
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, Mapping) else v))
+        elif isinstance(v, int) and not isinstance(v, bool) and not INT_MIN <= v <= INT_MAX:
+            raise InvalidInput(f"{what} holds an integer outside the 64-bit range")
 
 
 def has_nul(value: Any) -> bool:

@@ -100,6 +100,9 @@ def serve(ctx: typer.Context,
           no_auth: Annotated[bool, typer.Option(
               "--no-auth", help="No API keys: anyone who reaches the port is the admin of the "
                                 "single-user database. For local use only.")] = False,
+          allow_remote_no_auth: Annotated[bool, typer.Option(
+              "--allow-remote-no-auth", help="With --no-auth, serve a non-loopback --host anyway "
+                                             "(any Host header is then answered).")] = False,
           rate: Annotated[float, typer.Option("--rate", help="Requests per second per tenant.")] = 50.0,
           burst: Annotated[int, typer.Option("--burst", help="Requests a tenant may make at once.")] = 100,
           max_body: Annotated[int, typer.Option("--max-body", help="Largest request body, bytes.")]
@@ -111,25 +114,32 @@ def serve(ctx: typer.Context,
         import uvicorn
 
         from ..server import ServiceLimits, create_app
+        from ..server.local import is_loopback
 
         cfg = config(st)
         try:
             limits = ServiceLimits(max_body_bytes=max_body, rate=rate, burst=burst)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
+        remote = not is_loopback(host)
+        if no_auth and remote and not allow_remote_no_auth:
+            raise InvalidInput(f"--no-auth on {host}, which is not a loopback address, would give "
+                               "every memory to anyone on the network; bind 127.0.0.1, use API "
+                               "keys, or pass --allow-remote-no-auth")
         if no_auth:
             warn = output.console(stderr=True)
             warn.print("[bold red]" + "!" * 78)
             warn.print("[bold red]!! engram serve --no-auth: NO AUTHENTICATION. Anyone who can reach "
                        f"{host}:{port} can read,\n!! change and erase every memory in "
                        f"{cfg.database_url and 'the PostgreSQL database' or cfg.path}.")
-            if host not in ("127.0.0.1", "localhost", "::1"):
-                warn.print(f"[bold red]!! and {host} is not a loopback address.")
+            if remote:
+                warn.print(f"[bold red]!! and {host} is not a loopback address (--allow-remote-no-auth).")
             warn.print("[bold red]" + "!" * 78)
         shown = f"[{host}]" if ":" in host else host
         typer.echo(f"engram serving on http://{shown}:{port}  (API docs: http://{shown}:{port}/docs, "
                    f"memory console: http://{shown}:{port}/ui)", err=True)
-        application = create_app(cfg, auth=not no_auth, limits=limits)
+        application = create_app(cfg, auth=not no_auth, limits=limits,
+                                 local_only=no_auth and not remote)
     uvicorn.run(application, host=host, port=port, log_level="info", access_log=False)
 
 

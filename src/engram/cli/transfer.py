@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from ..errors import InvalidImport
 from . import output
 from .base import AgentOpt, DbOpt, JsonOpt, SessionOpt, UserOpt, open_memory, print_json, state
 
@@ -47,7 +48,10 @@ def import_memories(ctx: typer.Context,
 
     try:
         with open_memory(st) as mem:
-            count = mem.import_(path, progress=advance)
+            try:
+                count = mem.import_(path, progress=advance)
+            except InvalidImport as exc:  # the library does not name the file: say which one
+                raise InvalidImport(f"{path}: {exc}") from None
     finally:
         progress.stop()
     if st.json:

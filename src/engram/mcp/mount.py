@@ -21,8 +21,11 @@ from .server import build_server, current_request
 
 
 class Mount:
-    def __init__(self, resolve: Callable[[Request | None], Memory]) -> None:
-        self.server = build_server(lambda: resolve(current_request()))
+    def __init__(self, resolve: Callable[[Request | None], Memory],
+                 may_write_rules: Callable[[Request | None], bool] | None = None) -> None:
+        allowed = None if may_write_rules is None else (
+            lambda: may_write_rules(current_request()))
+        self.server = build_server(lambda: resolve(current_request()), may_write_rules=allowed)
         # Host checks guard a server bound to localhost from DNS rebinding; a mounted server sits
         # behind whatever host name the service is given, and the host authenticates every call.
         self.server.streamable_http_app(

@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field, ValidationError
 from .. import Memory, __version__
 from ..config import Config
 from ..errors import EngramError, InvalidInput
-from ..model import Scope
+from ..model import Scope, is_pinned
 from . import graph, wire
 from .wire import (
     AddedObservations,
@@ -113,12 +113,15 @@ def _text_result(text: Any, structured: BaseModel) -> CallToolResult:
                           structured_content=structured.model_dump(mode="json", by_alias=True))
 
 
-def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> MCPServer:
+def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
+                 may_write_rules: Callable[[], bool] | None = None) -> MCPServer:
     """An MCP server whose tools act on `resolve()`'s Memory, in the scope of `user_id`.
 
     `resolve` is called once per tool call (in a worker thread), so a multi-tenant host can
     return the tenant's Memory; `current_request()` gives it the HTTP request being served.
     Over HTTP a request's `X-Engram-User` header, when present, names the user instead.
+    `may_write_rules()`, when given, says whether the caller may store a rule (kind procedural)
+    or a pinned memory (the service: admin keys only); by default anyone may.
     """
     if not isinstance(user_id, str) or not user_id.strip():
         raise InvalidInput("user_id must be a non-empty string")
@@ -163,6 +166,10 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default") -> 
         """Store a memory. Facts are consolidated: an exact repeat adds nothing, a near-duplicate
         is merged into what is already known."""
         def run(mem: Memory, owner: Scope) -> RememberResult:
+            if ((kind == "procedural" or is_pinned(metadata or {}))
+                    and may_write_rules is not None and not may_write_rules()):
+                raise ToolError("Forbidden: a rule (kind procedural) or a pinned memory needs "
+                                "an admin key; this key is not one")
             result = mem.add(text, user_id=owner.user_id, session_id=session_id, kind=kind,
                              metadata=metadata, importance=importance)
             return RememberResult(memories=[wire.memory_out(m) for m in result.memories],

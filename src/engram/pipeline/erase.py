@@ -87,13 +87,17 @@ def _erase(engine: Engine, ids: list[str], scope: Scope, moved: list[tuple[Memor
             jobs = len(store.jobs(scope, limit=JOBS_SCANNED))
             tx.erase_scope(scope)  # sessions (their summaries) and jobs (their payloads)
         reason = f"session deleted: {len(ids)} memories" if exact else f"erased {len(ids)} memories"
-        receipt = Receipt(id=new_id(), at=now, scope=scope,
+        # The record of a scope's erasure does not name whom it erased (a user id is often an
+        # email address): its ids are hashed. One memory's ERASE keeps the memory's scope, so
+        # its history stays readable in that scope only.
+        kept = scope if single else valid.pseudonymous(scope)
+        receipt = Receipt(id=new_id(), at=now, scope=kept,
                           target="memory" if single else "session" if exact else "scope",
                           memories=len(ids), by_kind=dict(sorted(kinds.items())),
                           sessions=sessions, jobs=jobs, ids_sha256=ids_digest(ids), reason=reason)
         tx.append(receipt_event(receipt, single))
     store.reclaim()
-    log.info("erased %d memories (%s): receipt %s", len(ids), f"id {single}" if single else scope,
+    log.info("erased %d memories (%s): receipt %s", len(ids), f"id {single}" if single else kept,
              json.dumps({k: v for k, v in receipt.to_dict().items() if k != "scope"}))
     return receipt
 
@@ -113,8 +117,12 @@ def receipt_event(receipt: Receipt, memory_id: str | None) -> Event:
 
 
 def receipts(store: Store, scope: Scope, limit: int) -> list[Receipt]:
-    """The receipts of the erasures in `scope` (None fields match anything), newest first."""
-    return [Receipt.from_event(e) for e in store.events_of(EventType.ERASE.value, scope, limit=limit)]
+    """The receipts of the erasures in `scope` (None fields match anything), newest first: a
+    scope's erasure is recorded under its hashed ids, one memory's under its scope."""
+    found = {e.id: e for s in (scope, valid.pseudonymous(scope))
+             for e in store.events_of(EventType.ERASE.value, s, limit=limit)}
+    newest = sorted(found.values(), key=lambda e: (e.at, e.id), reverse=True)[:limit]
+    return [Receipt.from_event(e) for e in newest]
 
 
 def derived(store: Store, erased: set[str], scope: Scope) -> list[str]:

@@ -12,14 +12,16 @@ With no LLM configured nothing is extracted: the messages are kept as episodes (
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import unicodedata
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from ..model import Kind, MemoryRecord, as_utc
+from ..errors import InvalidInput
+from ..model import Kind, MemoryRecord, as_utc, is_pinned
 
 PROMPT_VERSION = "extract/1"
 
@@ -157,15 +159,28 @@ _INSTRUCTION = re.compile(
     r"|^\s*\#{1,6}\s*(system|instructions?|assistant|rules?)\b"
     r"|\[(system|inst)\]|<\|im_start\|>|<\|(system|assistant)\|>"
     r"|\b(always|never|from\s+now\s+on)\b.{0,80}\b(send|forward|email|post|upload|share|reveal|leak)\b"
+    r"|\b(always|never|from\s+now\s+on)\b.{0,80}\b(include|add|print|show|tell|give|repeat|"
+    r"mention|output|write)\b.{0,60}\b(passwords?|passcodes?|passphrases?|pin|api[\s_-]?keys?|"
+    r"secrets?|tokens?|credentials?|private\s+keys?|card\s+numbers?)\b"
     r"|\bwhen(ever)?\s+the\s+user\s+says\b"
     r"|\b(save|store|remember)\s+(this|that|the\s+following)\s+(as\s+)?(a\s+)?(rule|instruction)"
     r"|\byou\s+(must|should)\s+now\b|\bnew\s+instructions?\s*:",
 )
 
 
+def normalise(text: str) -> str:
+    """Text as the trust rules read it: NFKC (full-width and other compatibility forms become
+    plain letters) with format characters (zero-width spaces and joiners, direction marks,
+    soft hyphens: Unicode category Cf) taken out, so "se\u200bnd" and "\uff53end" read "send"."""
+    folded = unicodedata.normalize("NFKC", text)
+    return "".join(ch for ch in folded if unicodedata.category(ch) != "Cf")
+
+
 def looks_like_instruction(text: str) -> bool:
-    """Does the text try to steer the assistant or the memory (prompt injection)?"""
-    return any(_INSTRUCTION.search(line) for line in text.splitlines() or [text])
+    """Does the text try to steer the assistant or the memory (prompt injection)? Read after
+    `normalise`, so look-alike and invisible characters do not hide an instruction."""
+    clean = normalise(text)
+    return any(_INSTRUCTION.search(line) for line in clean.splitlines() or [clean])
 
 
 def trust(candidate: Candidate) -> tuple[Kind, str]:
@@ -177,11 +192,33 @@ def trust(candidate: Candidate) -> tuple[Kind, str]:
     """
     if candidate.kind is not Kind.PROCEDURAL:
         return candidate.kind, "ok"
-    if not candidate.source_roles <= TRUSTED_ROLES:
-        return Kind.SEMANTIC, f"rule from untrusted source ({', '.join(sorted(candidate.source_roles))})"
-    if looks_like_instruction(candidate.text):
-        return Kind.SEMANTIC, "rule reads like an injected instruction"
-    return Kind.PROCEDURAL, "ok"
+    why = distrust(candidate.text, candidate.source_roles)
+    return (Kind.PROCEDURAL, "ok") if why is None else (Kind.SEMANTIC, why)
+
+
+def distrust(text: str, roles: frozenset[str]) -> str | None:
+    """Why `text`, said by `roles`, may not become a rule or a pinned memory (None: it may).
+    Extraction demotes such a candidate to a fact; a direct write of a rule or a pin is refused
+    (`Memory.add`, `update`, import)."""
+    if not roles <= TRUSTED_ROLES:
+        return f"rule from untrusted source ({', '.join(sorted(roles))})"
+    if looks_like_instruction(text):
+        return "rule reads like an injected instruction"
+    return None
+
+
+def check_direct(text: str, roles: frozenset[str], kind: Kind, metadata: Mapping[str, Any]) -> None:
+    """A rule (kind procedural) or a pinned memory written directly (add, update, import) is
+    shown to the model with authority: it passes the trust rules or is refused (InvalidInput)."""
+    if kind is Kind.PROCEDURAL:
+        what = "a rule (kind procedural)"
+    elif is_pinned(metadata):
+        what = "a pinned memory"
+    else:
+        return
+    why = distrust(text, roles)
+    if why is not None:
+        raise InvalidInput(f"{what} is refused: {why}; store it as a plain fact or episode")
 
 
 def source_of(roles: frozenset[str]) -> str:

@@ -79,8 +79,12 @@ class AddRequest:
         if replaced and len(given) != 1:
             raise InvalidInput(f"supersedes names what one new memory replaces; {len(given)} "
                                "messages were given")
-        return cls(messages=given, scope=scope, kind=valid.kind(kind) or Kind.EPISODIC,
-                   metadata=valid.metadata(metadata),
+        chosen = valid.kind(kind) or Kind.EPISODIC
+        meta = valid.metadata(metadata)
+        for m in given:  # a direct rule or pin passes the trust rules (issue 14)
+            extraction.check_direct(m.content, frozenset({m.role}), chosen, {**meta, **m.metadata})
+        return cls(messages=given, scope=scope, kind=chosen,
+                   metadata=meta,
                    observed_at=valid.moment(observed_at, "observed_at"),
                    importance=valid.importance(importance),
                    expires_at=valid.moment(expires_at, "expires_at"), infer=infer,

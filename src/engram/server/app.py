@@ -26,13 +26,14 @@ from ..config import Config
 from ..errors import EngramError
 from ..providers.embedders import Embedder, get_embedder
 from . import audit
-from .auth import Authenticator
+from .auth import Authenticator, require_admin
 from .docs import add_docs
 from .errors import ServiceError, error_response, from_engram_error, validation_message
 from .graph import router as graph_router
-from .guard import Guard, principal_of
-from .keys import KeyStore, open_key_store
+from .guard import Guard, authorization, principal_of
+from .keys import KeyStore, Role, open_key_store
 from .limits import BodyLimitMiddleware, ServiceLimits
+from .local import BrowserGuard
 from .metrics import Metrics, MetricsMiddleware
 from .ratelimit import RateLimiter
 from .routes import router
@@ -48,18 +49,19 @@ log = logging.getLogger("engram.server")
 
 def create_app(config: Config | None = None, *, auth: bool = True, embedder: Embedder | None = None,
                keys: KeyStore | None = None, limits: ServiceLimits | None = None,
-               mcp: bool = True) -> FastAPI:
+               mcp: bool = True, local_only: bool | None = None) -> FastAPI:
     """The service app. `embedder` is shared by every tenant (default: the configured one);
     `keys` defaults to the key store beside the database; `auth=False` serves the single-user
     database to anyone who can reach the port. The MCP server is at /mcp unless `mcp=False` or
-    the MCP SDK (the mcp extra) is not installed."""
+    the MCP SDK (the mcp extra) is not installed. `local_only` (default: when auth is off)
+    answers only requests whose Host and Origin are loopback (see server/local.py)."""
     config = config or Config.from_env()
     limits = limits or ServiceLimits()
     embedder = embedder or get_embedder(config.embedder)
     own_keys = auth and keys is None
     key_store = (keys or open_key_store(config)) if auth else None
     tenants = Tenants(config, embedder)
-    metrics = Metrics(tenants)
+    metrics = Metrics()
     # /mcp is served when the MCP SDK (engram's mcp extra) is installed.
     mcp_mount = _mcp_mount(tenants) if mcp and importlib.util.find_spec("mcp") is not None else None
 
@@ -97,10 +99,13 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     if mcp_mount is not None:
         # A route, not a mount: a mount would redirect /mcp to /mcp/, which MCP clients do not follow.
         guarded = Guard(mcp_mount.app, app.state.auth, app.state.limiter, route="/mcp")
-        app.router.routes.append(Route("/mcp", guarded, methods=["GET", "POST", "DELETE"],
+        # No GET: in stateless mode there is no server-to-client stream to open, and the SDK's
+        # GET would hold the connection open forever; it answers 405 instead.
+        app.router.routes.append(Route("/mcp", guarded, methods=["POST", "DELETE"],
                                        include_in_schema=False))
     # Outermost last: the body limit wraps FastAPI, the metrics wrap everything.
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)
+    app.add_middleware(BrowserGuard, local_only=not auth if local_only is None else local_only)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 
@@ -124,8 +129,17 @@ def _add_probes(app: FastAPI, key_store: KeyStore | None, tenants: Tenants) -> N
     @app.get("/metrics", tags=["ops"], response_class=Response,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text format"}})
-    async def metrics() -> Response:
-        body, content_type = await run_in_threadpool(app.state.metrics.render)
+    async def metrics(request: Request) -> Response:
+        """Process metrics (request latency per route) for anyone; the stored-memory and queued-job
+        gauges only for an admin key, of its own tenant (with auth off: the single database)."""
+        auth: Authenticator = app.state.auth
+        shown: list[Memory] = []
+        given = authorization(request.headers.getlist("authorization"))
+        if not auth.enabled or given is not None:
+            principal = auth(given)
+            require_admin(principal, "tenant metrics")
+            shown = [await run_in_threadpool(tenants.get, principal.tenant)]
+        body, content_type = await run_in_threadpool(app.state.metrics.render, shown)
         return Response(body, media_type=content_type)
 
 
@@ -165,4 +179,7 @@ def _mcp_mount(tenants: Tenants) -> Mount:
     def resolve(request: Request | None) -> Memory:
         return tenants.get(principal_of(request.scope if request is not None else None).tenant)
 
-    return Mount(resolve)
+    def may_write_rules(request: Request | None) -> bool:
+        return principal_of(request.scope if request is not None else None).role is Role.ADMIN
+
+    return Mount(resolve, may_write_rules)

@@ -2,13 +2,17 @@
 stable code, and each engram error maps to the HTTP status that tells a client what to do.
 
     code                 status  meaning
+    bad_request          400     more than one Authorization header
     unauthorized         401     no bearer key, or a key that is unknown or revoked
-    forbidden            403     the key's role may not do this (erase, export, import)
+    forbidden            403     the key's role may not do this (erase, export, import, rules, pins)
+    host_not_allowed     403     auth off: the Host is not loopback (server/local.py)
+    origin_not_allowed   403     auth off: a browser Origin that is not loopback
     not_found            404     no such memory / job / session in this tenant (never 403)
     in_progress          409     the first request with this Idempotency-Key is still queued or
                                  running (engram.errors.InProgress); retry after Retry-After
     conflict             409     the request conflicts with what is stored (engram.errors.Conflict)
     payload_too_large    413     the request body is over the limit
+    unsupported_media_type 415   a write body that is not JSON (NDJSON for an import)
     invalid_input        422     bad arguments (engram.errors.InvalidInput, request validation)
     idempotency_key_reused 422   an Idempotency-Key reused with a different request body
     rate_limited         429     the tenant's request budget is spent; see Retry-After

@@ -28,6 +28,14 @@ def principal_of(scope: Any) -> Principal:
     return principal
 
 
+def authorization(values: list[str]) -> str | None:
+    """The one Authorization header of a request. Two are refused (400): REST and /mcp, and any
+    proxy in front, must never read different keys from the same request."""
+    if len(values) > 1:
+        raise ServiceError(400, "bad_request", "the request has more than one Authorization header")
+    return values[0] if values else None
+
+
 class Guard:
     def __init__(self, app: ASGIApp, auth: Authenticator, limiter: RateLimiter, *, route: str) -> None:
         self.app = app
@@ -40,9 +48,9 @@ class Guard:
             await self.app(scope, receive, send)
             return
         scope["engram.route"] = self.route
-        header = dict(scope["headers"]).get(b"authorization")
         try:
-            principal = self.auth(header.decode("latin-1") if header is not None else None)
+            principal = self.auth(authorization(
+                [v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"authorization"]))
             # the MCP tools read and write through one endpoint: a read-only key gets none
             require_writer(principal, "the MCP endpoint")
             wait = self.limiter.take(principal.bucket)

@@ -7,6 +7,7 @@ upload is refused after at most `max_body_bytes` bytes whatever its Content-Leng
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -21,6 +22,16 @@ class ServiceLimits:
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024 or self.rate <= 0 or self.burst < 1:
             raise ValueError("max_body_bytes must be >= 1024, rate > 0, burst >= 1")
+
+
+EMBED_CHARS_PER_UNIT = 2000  # about what the embedder does in the time of a cheap request
+
+
+def cost(texts: Iterable[str]) -> float:
+    """What a request that embeds `texts` costs in request units beyond the one every request
+    pays: one unit per ~2,000 characters. A tenant that sends 500 long messages in one add pays
+    for ~500 requests, so its next requests wait (429, Retry-After) while other tenants' do not."""
+    return max(0.0, sum(len(t) for t in texts) / EMBED_CHARS_PER_UNIT - 1.0)
 
 
 class BodyLimitMiddleware:

@@ -1,5 +1,6 @@
-"""Prometheus metrics of one service process: request latency per route template, and the
-memories stored and jobs queued in the tenants this process has open (read at scrape time).
+"""Prometheus metrics of one service process: request latency per route template for anyone,
+and, for an admin key, the memories stored and jobs queued in its own tenant (read at scrape
+time): counts summed over tenants would tell each tenant how busy the others are.
 
 Each app gets its own registry (no module-level globals), so several apps — e.g. in tests —
 never mix their numbers.
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -18,7 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import EngramError
 from ..model import JobStatus
-from .tenants import Tenants
+
+if TYPE_CHECKING:
+    from .. import Memory
 
 log = logging.getLogger("engram.server")
 
@@ -27,21 +31,19 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
 
 
 class _StoreGauges(Collector):
-    def __init__(self, tenants: Tenants) -> None:
-        self.tenants = tenants
+    def __init__(self, memories: Sequence[Memory]) -> None:
+        self.memories = memories
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        memories = GaugeMetricFamily("engram_memories_stored",
-                                     "Visible memories in the tenants open in this process")
-        queued = GaugeMetricFamily("engram_jobs_queued",
-                                   "Background jobs waiting to run, in the tenants open in this process")
+        memories = GaugeMetricFamily("engram_memories_stored", "Visible memories of the tenant")
+        queued = GaugeMetricFamily("engram_jobs_queued", "Background jobs waiting to run, of the tenant")
         n_mem = n_jobs = 0
-        for mem in self.tenants:
+        for mem in self.memories:
             try:
                 counts = mem.stats()
                 n_mem += counts.memories
                 n_jobs += counts.jobs[JobStatus.QUEUED.value]
-            except EngramError as exc:  # a scrape must not fail because one tenant's db is down
+            except EngramError as exc:  # a scrape must not fail because the db is down
                 log.warning("metrics: cannot read a tenant's counts: %s", exc)
         memories.add_metric([], n_mem)
         queued.add_metric([], n_jobs)
@@ -50,15 +52,20 @@ class _StoreGauges(Collector):
 
 
 class Metrics:
-    def __init__(self, tenants: Tenants) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.latency = Histogram(
             "engram_http_request_duration_seconds", "Request latency by route template",
             ["method", "route", "status"], buckets=BUCKETS, registry=self.registry)
-        self.registry.register(_StoreGauges(tenants))
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, memories: Sequence[Memory] = ()) -> tuple[bytes, str]:
+        """The process metrics, and the store gauges of `memories` when any are given."""
+        body = generate_latest(self.registry)
+        if memories:
+            own = CollectorRegistry()
+            own.register(_StoreGauges(memories))
+            body += generate_latest(own)
+        return body, CONTENT_TYPE_LATEST
 
 
 class MetricsMiddleware:

@@ -52,6 +52,18 @@ class RateLimiter:
             return (1.0 - b.tokens) / self.rate
 
 
+    def charge(self, tenant: str, units: float) -> None:
+        """Take `units` more from the tenant's bucket for a costly request already admitted
+        (see `limits.cost`): the bucket may go into debt, and the tenant's next requests wait
+        until it is paid back."""
+        if units <= 0:
+            return
+        with self._lock:
+            b = self._buckets.get(tenant)
+            if b is not None:
+                b.tokens -= units
+
+
 def retry_after_header(wait_s: float) -> str:
     """Retry-After is whole seconds; round up so a client that obeys it is never refused again."""
     return str(max(1, math.ceil(wait_s)))

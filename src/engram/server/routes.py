@@ -24,12 +24,14 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import Memory, SessionHandle
 from ..errors import InvalidFilter, InvalidInput, NotFound
-from ..model import Kind, Scope, Session
+from ..model import Kind, Scope, Session, is_pinned
 from ..working import SessionMessage
+from ..working.policies import as_data
 from .auth import Principal, require_access, require_admin
 from .errors import ServiceError
-from .guard import PRINCIPAL
-from .ratelimit import retry_after_header
+from .guard import PRINCIPAL, authorization
+from .limits import EMBED_CHARS_PER_UNIT, cost
+from .ratelimit import RateLimiter, retry_after_header
 from .schemas import (
     MAX_ID,
     MAX_PAGE,
@@ -87,13 +89,25 @@ BEARER = HTTPBearer(auto_error=False, scheme_name="bearer", bearerFormat="engram
 class Ctx:
     principal: Principal
     mem: Memory
+    limiter: RateLimiter
+
+
+def _texts(messages: Any) -> list[str]:
+    if isinstance(messages, str):
+        return [messages]
+    return [m if isinstance(m, str) else m.content for m in messages]
+
+
+def _charge(ctx: Ctx, texts: list[str]) -> None:
+    """Costly requests (much text to embed) pay for it from the tenant's rate-limit bucket."""
+    ctx.limiter.charge(ctx.principal.bucket, cost(texts))
 
 
 def _context(request: Request,
              _: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]) -> Ctx:
     """Authenticate, spend a rate-limit token, open the tenant's memory."""
     state = request.app.state
-    principal = state.auth(request.headers.get("authorization"))
+    principal = state.auth(authorization(request.headers.getlist("authorization")))
     # the route's template (/v1/memories/{id}), whatever prefix the app is mounted under
     require_access(principal, request.method, getattr(request.scope.get("route"), "path", request.url.path))
     request.scope[PRINCIPAL] = principal  # for the audit trail (server/audit.py)
@@ -102,7 +116,7 @@ def _context(request: Request,
         raise ServiceError(429, "rate_limited",
                            f"rate limit of {state.limiter.rate:g} requests/s reached; retry later",
                            {"Retry-After": retry_after_header(wait)})
-    return Ctx(principal, state.tenants.get(principal.tenant))
+    return Ctx(principal, state.tenants.get(principal.tenant), state.limiter)
 
 
 Context = Annotated[Ctx, Depends(_context)]
@@ -124,6 +138,9 @@ def add_memories(body: AddIn, ctx: Context,
                      description="Retries with the same key and body do the add once; while the "
                                  "first is still running they answer 409 with Retry-After; the "
                                  "same key with another body answers 422.")] = None) -> Any:
+    if body.kind is Kind.PROCEDURAL or _pins(body.metadata, body.messages):
+        require_admin(ctx.principal, "writing a rule (kind procedural) or a pinned memory")
+    _charge(ctx, _texts(body.messages))
     kwargs: dict[str, Any] = dict(
         **body.scope(), metadata=body.metadata, observed_at=body.observed_at, infer=body.infer,
         kind=body.kind, importance=body.importance, expires_at=body.expires_at)
@@ -137,6 +154,13 @@ def add_memories(body: AddIn, ctx: Context,
     if result.job is not None and body.background:
         return JSONResponse(jsonable_encoder(AddOut.model_validate(out)), status_code=202)
     return out
+
+
+def _pins(metadata: dict[str, Any] | None, messages: Any) -> bool:
+    """Does the request pin a memory (its metadata, or one of its messages' metadata)?"""
+    listed = messages if isinstance(messages, list) else []
+    return is_pinned(metadata or {}) or any(
+        not isinstance(m, str) and is_pinned(m.metadata or {}) for m in listed)
 
 
 @router.post("/memories/search", response_model=SearchOut, tags=["memories"])
@@ -161,6 +185,8 @@ def list_memories(ctx: Context, user_id: ScopeQ = None, agent_id: ScopeQ = None,
             parsed = json.loads(filters)
         except json.JSONDecodeError as exc:
             raise InvalidFilter(f"filters is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidFilter("filters is nested too deep") from None
     page = ctx.mem.list(user_id=user_id, agent_id=agent_id, session_id=session_id, filters=parsed,
                         kinds=kind or None, cursor=cursor, limit=limit)
     return {"items": [m.to_dict() for m in page.items], "next_cursor": page.next_cursor}
@@ -174,6 +200,13 @@ def get_memory(id: MemoryId, ctx: Context) -> Any:
 @router.patch("/memories/{id}", response_model=MemoryOut, tags=["memories"], responses=_errors(404))
 def update_memory(id: MemoryId, body: UpdateIn, ctx: Context) -> Any:
     changes = {name: getattr(body, name) for name in body.model_fields_set}
+    if "importance" in changes and changes["importance"] is None:
+        raise InvalidInput("importance must be a number in [0, 1]; null does not clear it")
+    if "text" in changes or "metadata" in changes:
+        current = ctx.mem.get(id)
+        if (current.kind is Kind.PROCEDURAL or is_pinned(current.metadata)
+                or is_pinned(changes.get("metadata") or {})):
+            require_admin(ctx.principal, "changing a rule (kind procedural) or a pinned memory")
     return ctx.mem.update(id, **changes).to_dict()
 
 
@@ -230,6 +263,7 @@ async def import_(request: Request, ctx: Context) -> Any:
     """Read an export back: all or nothing; ids already present are skipped."""
     require_admin(ctx.principal, "import")
     body = await request.body()  # bounded by the body size limit
+    ctx.limiter.charge(ctx.principal.bucket, len(body) / EMBED_CHARS_PER_UNIT)
 
     def run() -> int:
         with tempfile.TemporaryDirectory(prefix="engram-import-") as tmp:
@@ -266,6 +300,23 @@ def _find_session(mem: Memory, id: str, user_id: str | None, agent_id: str | Non
 def _handle(mem: Memory, id: str, user_id: str | None, agent_id: str | None) -> SessionHandle:
     scope = _find_session(mem, id, user_id, agent_id).scope
     return mem.session(session_id=id, user_id=scope.user_id, agent_id=scope.agent_id)
+
+
+def _unambiguous(mem: Memory, scope: Scope, user_id: str | None, agent_id: str | None) -> None:
+    """An erasure names one session: refuse when messages of this session id are stored in
+    another scope the request's user_id / agent_id would also match (a session row is not the
+    only sign of a session: messages added with its id are one too)."""
+    cursor = None
+    while True:
+        page = mem.list(user_id=user_id, agent_id=agent_id, session_id=scope.session_id,
+                        cursor=cursor, limit=MAX_PAGE)
+        other = next((m.scope for m in page.items if m.scope != scope), None)
+        if other is not None:
+            raise InvalidInput(f"session id {scope.session_id!r} is ambiguous: it is stored in "
+                               "several scopes; give user_id / agent_id")
+        if page.next_cursor is None:
+            return
+        cursor = page.next_cursor
 
 
 def _message_out(m: SessionMessage) -> dict[str, Any]:
@@ -315,7 +366,7 @@ def session_view(id: SessionId, ctx: Context, user_id: ScopeQ = None, agent_id: 
     """What the session's policy shows a model now: summaries, then the verbatim messages."""
     view = _handle(ctx.mem, id, user_id, agent_id).view()
     return {"summaries": list(view.summaries), "messages": [_message_out(m) for m in view.messages],
-            "omitted": view.omitted, "chat": view.chat()}
+            "omitted": view.omitted, "chat": as_data(view).chat()}  # stored system messages as data
 
 
 @router.post("/sessions/{id}/end", response_model=SessionEndOut, tags=["sessions"],
@@ -333,7 +384,10 @@ def delete_session(id: SessionId, ctx: Context, user_id: ScopeQ = None,
                    agent_id: ScopeQ = None) -> Response:
     """Erase the session: its messages, summaries and row (an admin key: this is an erasure)."""
     require_admin(ctx.principal, "deleting a session")
-    _handle(ctx.mem, id, user_id, agent_id).delete()
+    handle = _handle(ctx.mem, id, user_id, agent_id)
+    if user_id is None or agent_id is None:
+        _unambiguous(ctx.mem, handle.scope, user_id, agent_id)
+    handle.delete()
     return Response(status_code=204)
 
 
@@ -342,6 +396,9 @@ def delete_session(id: SessionId, ctx: Context, user_id: ScopeQ = None,
 def add_session_messages(id: SessionId, body: SessionMessagesIn, ctx: Context,
                          user_id: ScopeQ = None, agent_id: ScopeQ = None) -> Any:
     """Append chat messages (OpenAI shape, tool calls included) to the session."""
+    if _pins(None, body.messages):
+        require_admin(ctx.principal, "writing a pinned memory")
+    _charge(ctx, [m.content or "" for m in body.messages])
     handle = ctx.mem.session(session_id=id, user_id=user_id, agent_id=agent_id)
     stored = handle.add([m.as_message() for m in body.messages])
     return {"memories": [m.to_dict() for m in stored]}

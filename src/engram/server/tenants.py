@@ -3,27 +3,114 @@
 
 The tenant `None` is the single-user database itself (`engram serve --no-auth`), so the
 service and the CLI see the same memories.
+
+The shared embedder is taken in turns (`FairGate`): each tenant's calls wait in the tenant's own
+line and the lines are served round-robin, a bounded chunk of texts a turn, so one tenant's flood
+of long adds delays another tenant's search by at most one chunk, not by the whole flood.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from .. import Memory
 from ..config import Config
 from ..errors import StoreUnavailable
-from ..store import Stores
+from ..store import Stores, tenant_path
 
 if TYPE_CHECKING:
     from ..providers.embedders import Embedder
+
+CHUNK = 32  # texts embedded per turn: ~0.1-0.3 s of MiniLM on a 2-core machine
+EMBED_SLOTS = 2  # turns at the embedder at once
+
+
+class FairGate:
+    """Turns at a shared resource, round-robin across tenants (FIFO within a tenant), with up to
+    `slots` turns at once (two let the embedder's group commit merge concurrent calls into one
+    forward pass; a waiting tenant still waits for at most the turns in progress).
+
+    `granted` keeps the order of the last turns given (for tests and debugging)."""
+
+    def __init__(self, slots: int = 1, history: int = 1000) -> None:
+        self._cond = threading.Condition()
+        self._lines: dict[str | None, deque[object]] = {}
+        self._ring: deque[str | None] = deque()  # tenants with someone waiting, next first
+        self._free = slots
+        self.granted: deque[str | None] = deque(maxlen=history)
+
+    def waiting(self) -> dict[str | None, int]:
+        with self._cond:
+            return {t: len(q) for t, q in self._lines.items()}
+
+    @contextmanager
+    def turn(self, tenant: str | None) -> Iterator[None]:
+        ticket = object()
+        with self._cond:
+            if tenant not in self._lines:
+                self._lines[tenant] = deque()
+                self._ring.append(tenant)
+            self._lines[tenant].append(ticket)
+            while not self._free or self._lines[self._ring[0]][0] is not ticket:
+                self._cond.wait()
+            self._free -= 1
+            line = self._lines[tenant]
+            line.popleft()
+            self._ring.popleft()
+            if line:
+                self._ring.append(tenant)  # its next call waits behind every other tenant's
+            else:
+                del self._lines[tenant]
+            self.granted.append(tenant)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._free += 1
+                self._cond.notify_all()
+
+
+class TenantEmbedder:
+    """The shared embedder as one tenant sees it: its calls cut into chunks of `CHUNK` texts,
+    each chunk embedded in the tenant's turn at the `FairGate`."""
+
+    def __init__(self, embedder: Embedder, gate: FairGate, tenant: str | None) -> None:
+        self.inner = embedder
+        self.gate = gate
+        self.tenant = tenant
+        self.name = embedder.name
+        self.dim = embedder.dim
+
+    def embed_batch(self, texts: Sequence[str]) -> np.ndarray:
+        parts = []
+        for i in range(0, max(len(texts), 1), CHUNK):
+            with self.gate.turn(self.tenant):
+                parts.append(self.inner.embed_batch(texts[i:i + CHUNK]))
+        return parts[0] if len(parts) == 1 else np.vstack(parts)
+
+
+def private_file(path: Path) -> None:
+    """Create a database file readable by its owner only (0600), whatever the umask: SQLite
+    gives its -wal and -shm files the mode of the database file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        os.chmod(path, 0o600)
 
 
 class Tenants:
     def __init__(self, config: Config, embedder: Embedder) -> None:
         self.config = config
         self.embedder = embedder
+        self.gate = FairGate(slots=EMBED_SLOTS)
         self._open: dict[str | None, Memory] = {}
         self._lock = threading.Lock()
         self._opening: dict[str | None, threading.Lock] = {}
@@ -39,12 +126,18 @@ class Tenants:
             mem = self._open.get(tenant)
             if mem is None:
                 try:
-                    mem = Memory(config=self.config, tenant=tenant, embedder=self.embedder,
+                    if not self.config.database_url:
+                        private_file(tenant_path(self.config.path, tenant))
+                    mem = Memory(config=self.config, tenant=tenant,
+                                 embedder=TenantEmbedder(self.embedder, self.gate, tenant),
                                  store=self._stores.open(tenant))
                 except OSError as exc:
                     # e.g. the data directory is gone or not writable: the database cannot be
                     # reached. Nothing is cached, so the next request tries again.
                     raise StoreUnavailable(f"cannot open the tenant's database: {exc}") from exc
+                # Jobs a crashed process left queued (or running past their lease) run now,
+                # not when the tenant next queues one.
+                mem.resume()
                 self._open[tenant] = mem
         return mem
 

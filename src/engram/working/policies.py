@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 from ..errors import InvalidInput
+from ..validate import ROLE
 
 CountTokens = Callable[[Mapping[str, Any]], int]
 """Tokens one wire message costs (e.g. `Tokenizer.count_message`)."""
@@ -52,6 +53,37 @@ class SessionMessage:
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def quote(text: str) -> str:
+    """A memory's text as one quoted line of data: newlines, quotes and control characters
+    escaped (JSON string rules), angle brackets as entities — so a stored text cannot close the
+    memory section, open a role, start a heading or smuggle a chat-template token."""
+    return json.dumps(text, ensure_ascii=False).replace("<", "&lt;").replace(">", "&gt;")
+
+
+SPEAKING_ROLES = ("user", "assistant")  # stored messages that come back with their own role
+
+
+def as_data(v: View) -> View:
+    """A stored conversation as a model may be shown it: a stored message speaks with its
+    role only as a user or an assistant, or as a tool result that answers a call shown before
+    it. Anything else (a stored system message, a tool result answering no shown call, any
+    other role) is anyone's write, not the application's voice: it comes back as a user
+    message that says what it is and quotes it as data."""
+    calls: set[str] = set()
+    out = []
+    for m in v.messages:
+        if m.role == "assistant" and m.tool_calls:
+            calls |= {str(c.get("id")) for c in m.tool_calls if isinstance(c, Mapping)}
+        if m.role in SPEAKING_ROLES or (m.role == "tool" and m.tool_call_id in calls):
+            out.append(m)
+            continue
+        role = m.role if ROLE.fullmatch(m.role) else "unknown"
+        out.append(SessionMessage(
+            role="user", content=f"(a stored {role} message, shown as data) {quote(m.text)}",
+            id=m.id, observed_at=m.observed_at))
+    return replace(v, messages=tuple(out))
 
 
 def render_call(call: Mapping[str, Any]) -> str:

@@ -17,6 +17,7 @@ from datetime import date
 
 import numpy as np
 
+from .. import validate as valid
 from ..errors import ProviderError
 from ..pipeline.text import STOP_WORDS, words
 from ..providers.embedders import Embedder
@@ -54,9 +55,9 @@ class Sentence:
 
 def speaker(m: SessionMessage) -> str:
     if m.name:
-        return m.name
+        return " ".join(m.name.split())[:64]  # one line: a name cannot open a new turn
     return {"user": "User", "assistant": "Assistant", "tool": "Tool", "system": "System"}.get(
-        m.role, m.role.capitalize())
+        m.role, valid.shown_role(m.role).capitalize())
 
 
 def sentences_of(messages: Sequence[SessionMessage]) -> list[Sentence]:
@@ -237,5 +238,5 @@ def transcript(messages: Sequence[SessionMessage]) -> str:
     out = []
     for m in messages:
         when = f"[{m.observed_at.date().isoformat()}] " if m.observed_at else ""
-        out.append(f"{when}{speaker(m)} ({m.role}): {m.text}")
+        out.append(f"{when}{speaker(m)} ({valid.shown_role(m.role)}): {m.text}")
     return "\n".join(out)
