@@ -20,6 +20,9 @@ from urllib.parse import urlsplit
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 BODY_TYPES = frozenset({"application/json", "application/x-ndjson"})
+# The console's own forms (/ui): a form post is what a browser sends cross-site without asking,
+# which is why each carries the console's CSRF token and the console checks it.
+CONSOLE_TYPES = frozenset({"application/x-www-form-urlencoded"})
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
@@ -79,7 +82,9 @@ class BrowserGuard:
         if scope["method"] in WRITE_METHODS:
             ctype = headers.get(b"content-type", "").split(";", 1)[0].strip().lower()
             has_body = headers.get(b"content-length", "0") != "0" or b"transfer-encoding" in headers
-            if (has_body or ctype) and ctype not in BODY_TYPES:
+            path = scope.get("path", "")
+            allowed = CONSOLE_TYPES if path == "/ui" or path.startswith("/ui/") else BODY_TYPES
+            if (has_body or ctype) and ctype not in allowed:
                 return (415, "unsupported_media_type", "a request body must be application/json "
                         f"(application/x-ndjson for an import), not {ctype or 'untyped'!r:.100}")
         return None

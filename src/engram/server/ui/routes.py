@@ -36,10 +36,12 @@ SCOPE_FIELDS = ("user_id", "agent_id", "session_id")
 MAX_FIELD = 10_000  # characters of one form or query field (memory texts are bounded by Memory)
 STATIC = {"console.css": "text/css; charset=utf-8", "console.js": "text/javascript; charset=utf-8"}
 # Everything the pages load comes from this origin; no inline script, no framing, forms post here.
+# Referrer same-origin, not no-referrer: with no-referrer a browser posts forms with `Origin: null`,
+# which the no-auth guard (server/local.py) rightly refuses.
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 SECURITY_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff",
-                    "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY",
+                    "Referrer-Policy": "same-origin", "X-Frame-Options": "DENY",
                     "Cache-Control": "no-store"}
 
 
