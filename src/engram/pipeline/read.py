@@ -20,10 +20,13 @@ from ..model import Event, Hit, Kind, MemoryRecord, Page, Scope, utcnow
 from ..redact import redact
 from ..store import Query, Store
 from .engine import Engine
-from .retrieve import Ranked, fuse, rank
+from .retrieve import Ranked, fuse_arrays, rank_arrays
 from .text import terms
 
 log = logging.getLogger("engram.memory")
+
+# The dense retrievers: each matches the query vector against one key of the memories.
+DENSE_KEYS = (("dense", "text"), ("window", "window"), ("fact", "fact"))
 
 
 def query(scope: Scope, filters: Mapping[str, Any] | None, kinds: Iterable[str | Kind] | None,
@@ -43,24 +46,23 @@ def query(scope: Scope, filters: Mapping[str, Any] | None, kinds: Iterable[str |
 def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray | None = None,
            pool: int | None = None) -> list[Ranked]:
     """Candidates per retriever (`pool` each, default the preset's), then fused and ranked
-    on light rows (ids, scores, why)."""
+    over arrays; only the best `limit` are explained."""
     cfg = engine.retrieval
     store = engine.store
     n = max(pool or cfg.candidates, limit)
+    weights = {"dense": cfg.dense_weight, "window": cfg.window_weight, "fact": cfg.fact_weight,
+               "lexical": cfg.lexical_weight}
     found: dict[str, list[tuple[str, float]]] = {}
-    if cfg.dense_weight or cfg.window_weight or cfg.fact_weight:
-        if vector is None:
-            vector = engine.embedder.embed_batch([text])[0]
-        for label, key, w in (("dense", "text", cfg.dense_weight),
-                              ("window", "window", cfg.window_weight),
-                              ("fact", "fact", cfg.fact_weight)):
-            if w:
-                found[label] = store.dense(q, vector, n, key=key)
-    if cfg.lexical_weight:
+    keys = [(label, key) for label, key in DENSE_KEYS if weights[label]]
+    if keys and vector is None:
+        vector = engine.embedder.embed_batch([text])[0]
+    for label, key in keys:
+        assert vector is not None
+        found[label] = store.dense(q, vector, n, key=key)
+    if weights["lexical"]:
         found["lexical"] = store.lexical(q, terms(text), n, cfg.previous_weight)
-    fused = fuse(found, {"dense": cfg.dense_weight, "window": cfg.window_weight,
-                         "fact": cfg.fact_weight, "lexical": cfg.lexical_weight}, cfg)
-    return rank(fused, store.candidates(list(fused)), text, cfg, q.as_of or q.now)[:limit]
+    fused = fuse_arrays(found, weights, cfg)
+    return rank_arrays(fused, store.candidates(fused.ids, q), text, cfg, q.as_of or q.now, limit)
 
 
 def search(engine: Engine, text: str, q: Query, limit: int) -> list[Hit]:

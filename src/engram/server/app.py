@@ -32,7 +32,7 @@ from .guard import Guard, principal_of
 from .keys import KeyStore, open_key_store
 from .limits import BodyLimitMiddleware, ServiceLimits
 from .metrics import Metrics, MetricsMiddleware
-from .ratelimit import RateLimiter
+from .ratelimit import open_rate_limiter
 from .routes import router
 from .schemas import ErrorOut, HealthOut
 from .tenants import Tenants
@@ -70,6 +70,7 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
                 yield
         finally:
             tenants.close()
+            limiter.close()
             if own_keys and key_store is not None:
                 key_store.close()
 
@@ -82,7 +83,8 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     app.state.config = config
     app.state.tenants = tenants
     app.state.auth = Authenticator(key_store)
-    app.state.limiter = RateLimiter(limits.rate, limits.burst)
+    app.state.limiter = limiter = open_rate_limiter(config, limits.rate, limits.burst,
+                                                    shared=limits.shared)
     app.state.metrics = metrics
     app.include_router(router)
     add_docs(app)

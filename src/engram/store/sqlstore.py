@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import Conflict
 from ..model import Event, Job, MemoryRecord, Scope, Session
 from . import records as r
-from .base import Candidate, Seen, Select, Stats, StoreBase, job_counts
+from .base import Candidate, Query, Seen, Select, Stats, StoreBase, job_counts
 
 Run = Callable[[str, Sequence[Any]], list[Any]]  # runs one statement, returns its rows
 
@@ -48,7 +48,7 @@ class SQLStore(StoreBase):
     def read_ids(self, sel: Select) -> list[str]:
         return [row[0] for row in self._rows(sel, ("id",))]
 
-    def candidates(self, ids: Sequence[str]) -> dict[str, Candidate]:
+    def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]:
         out: dict[str, Candidate] = {}
         if ids:
             rows = self._rows(Select(ids=tuple(ids), seen=Seen.ALL, order=None), r.CANDIDATE_COLUMNS)

@@ -23,7 +23,7 @@ import numpy as np
 from ...errors import StoreError
 from ...model import Job, JobStatus, MemoryRecord
 from .. import records as r
-from ..base import Key, Lexical, Query, Select
+from ..base import Candidate, Key, Lexical, Query, Select
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
 from .conn import Connections
@@ -91,7 +91,7 @@ class SQLiteStore(SQLStore):
         with self._slabs_lock:
             slab = self._slabs.get(key)
             if slab is None or slab.mat.shape[1] != dim:
-                slab = Slab(dim)
+                slab = Slab(dim, rich=key_name == "text")
                 self._slabs[key] = slab
             self._slabs.move_to_end(key)
             while len(self._slabs) > self.MAX_SLABS:
@@ -110,19 +110,40 @@ class SQLiteStore(SQLStore):
                     if dead:
                         slab.kill([d[1] for d in dead])
                         slab.tomb_max = dead[-1][0]
-                rows = self._read(*sql.new_keys(scope, key_name, slab.max_seq))
+                rows = self._read(*sql.new_keys(scope, key_name, slab.max_seq, slab.rich))
                 if rows:
                     vecs = np.frombuffer(b"".join(row[2] for row in rows), dtype=np.float32)
                     slab.append([row[0] for row in rows], [row[1] for row in rows],
-                                vecs.reshape(len(rows), dim), [row[3:] for row in rows])
+                                vecs.reshape(len(rows), dim), [row[3:] for row in rows],
+                                self.dialect)
                     if in_tx:  # their rows may carry this write's uncommitted changes
                         slab.rows_version = -1
                 slab.version = version
             if not in_tx and slab.rows_version != rows_version:
-                slab.reset_attrs(self._read(*sql.key_attrs(scope, key_name, slab.max_seq)))
+                slab.reset_attrs(self._read(*sql.key_attrs(scope, key_name, slab.max_seq, slab.rich)),
+                                 self.dialect)
                 slab.rows_version = rows_version
             exact = not in_tx and slab.version == version and slab.rows_version == rows_version
             return slab, exact
+
+    def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]:
+        """From the scope's `text` cache when it is exact (a search's pool costs no SQL); the
+        ids it does not hold, and every id outside a search, from the table."""
+        if query is None or not ids:
+            return super().candidates(ids)
+        s = query.scope
+        with self._slabs_lock:
+            slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, "text"))
+        if slab is None:
+            return super().candidates(ids)
+        slab, exact = self._slab(query, "text", slab.mat.shape[1])
+        if not exact:
+            return super().candidates(ids)
+        with self._slabs_lock:
+            found, missing = slab.candidates(ids)
+        if missing:
+            found.update(super().candidates(missing))
+        return found
 
     def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
         return set(self.read_ids(Select.of(query, ids=tuple(ids), order=None))) if ids else set()
@@ -202,6 +223,9 @@ class SQLiteStore(SQLStore):
         conn = self._db.get()
         try:
             conn.execute("PRAGMA busy_timeout = 20")
+            # An access count is not worth an fsync per search: in WAL mode NORMAL commits
+            # without one (a power cut may lose the last counts, never corrupt the file).
+            conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(
                 "UPDATE memories SET access_count = access_count + 1, last_accessed_at = ? "
@@ -212,6 +236,7 @@ class SQLiteStore(SQLStore):
                 conn.execute("ROLLBACK")
             log.debug("access tracking skipped: %s", exc)
         finally:
+            conn.execute("PRAGMA synchronous = FULL")
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
 
     def claim_job(self, now: datetime, lease_until: datetime) -> Job | None:
@@ -269,6 +294,9 @@ class SQLiteTx(SQLTx):
     def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
                lexical: Lexical | None = None) -> None:
         self._exec(*sql.update_memory(record))
+        # The text cache holds ranking fields (name, importance, times) that may change with
+        # no key changing: a changed row reloads the cached attributes.
+        self._exec("UPDATE meta SET value = value + 1 WHERE name = 'rows_version'")
         if keys is not None:
             self._exec("DELETE FROM memory_keys WHERE memory_id = ?", (record.id,))
             self._put_keys(record.id, keys)
