@@ -439,7 +439,8 @@ def _span(rows: Sequence[Candidate], now: datetime) -> np.ndarray:
     lo, hi = secs.min(), secs.max()
     if hi - lo <= 0:
         return np.zeros(len(rows))
-    return (secs - lo) / (hi - lo)
+    pos: np.ndarray = (secs - lo) / (hi - lo)
+    return pos
 
 
 def _names(first_name: str, text: str) -> bool:

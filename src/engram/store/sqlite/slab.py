@@ -12,6 +12,7 @@ import numpy as np
 from ...model import Kind
 from ..base import Candidate, Query, Seen
 from ..records import CANDIDATE_COLUMNS, Dialect, read_candidates, time_bounds
+from .ann import Ann
 
 _KIND_CODES = {k.value: i for i, k in enumerate(Kind)}
 TIMES = ("expires_at", "valid_from", "valid_to")  # cached per row, in this order
@@ -44,6 +45,9 @@ class Slab:
         self.valid_from = np.full(cap, np.nan)
         self.valid_to = np.full(cap, np.nan)
         self.memory_ids: list[str] = []
+        self.codes = np.zeros(cap, dtype=np.int64)  # per row, a number for its memory id
+        self._code: dict[str, int] = {}
+        self.ann: Ann | None = None  # the HNSW index over these rows, at large scopes
         self.rich = rich
         self.cands: list[Candidate | None] = []  # per row, when rich
         self.row_of: dict[str, int] = {}          # memory id -> its latest row, when rich
@@ -56,7 +60,7 @@ class Slab:
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self.seqs))
         self.mat = np.resize(self.mat, (cap, self.mat.shape[1]))
-        for name in ("seqs", "alive", "ok", "kind", *TIMES):
+        for name in ("seqs", "codes", "alive", "ok", "kind", *TIMES):
             setattr(self, name, np.resize(getattr(self, name), cap))
 
     def append(self, seqs: list[int], mids: list[str], vecs: np.ndarray,
@@ -73,6 +77,8 @@ class Slab:
         if attrs:
             self._set_attrs(np.arange(self.n, need), attrs)
         self.memory_ids.extend(mids)
+        code = self._code
+        self.codes[self.n:need] = [code.setdefault(mid, len(code)) for mid in mids]
         if self.rich:
             self.cands.extend(self._candidates(attrs, d) if attrs else [None] * len(mids))
             for i, mid in enumerate(mids, start=self.n):
@@ -108,7 +114,7 @@ class Slab:
         for col, name in enumerate(TIMES, start=1):
             getattr(self, name)[idx] = np.array([a[col] for a in attrs], dtype=np.float64)
 
-    def rows_of(self, seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def rows_of(self, seqs: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Slab row of each seq (seqs are stored ascending) and which of them are held."""
         want = np.asarray(seqs, dtype=np.int64)
         pos = np.searchsorted(self.seqs[:self.n], want)
@@ -148,3 +154,16 @@ class Slab:
         if query.kinds:
             mask &= np.isin(self.kind[:n], [_KIND_CODES[k.value] for k in query.kinds])
         return mask
+
+    def first_per_memory(self, rows: np.ndarray) -> np.ndarray:
+        """`rows` (best first) keeping each memory's first row only."""
+        if not len(rows):
+            return rows
+        _, first = np.unique(self.codes[rows], return_index=True)
+        first.sort()
+        kept: np.ndarray = rows[first]
+        return kept
+
+    def live_rows(self) -> np.ndarray:
+        """Rows whose key and memory exist (whatever the time and kind)."""
+        return np.flatnonzero(self.alive[:self.n] & self.ok[:self.n])

@@ -25,7 +25,7 @@ from ...model import Job, JobStatus, MemoryRecord
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
 from ..sqlstore import Run, SQLStore, SQLTx
-from . import schema, sql
+from . import ann, schema, sql
 from .conn import Connections
 from .slab import Slab
 
@@ -38,10 +38,17 @@ class SQLiteStore(SQLStore):
     dialect = sql.DIALECT
     MAX_SLABS = 16
 
-    def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0) -> None:
+    def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0,
+                 ann_threshold: int = 20_000) -> None:
+        """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
+        scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
+        extra, else always exact), saved beside the database in `<file>.ann/`."""
         self.path = Path(path)
+        self._ann_dir: Path | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._ann_dir = self.path.parent / f"{self.path.name}.ann"
+        self.ann_threshold = ann_threshold
         self.busy_timeout_s = busy_timeout_s
         self._db = Connections(self.path, busy_timeout_s=busy_timeout_s)
         self._local = threading.local()  # .dirty: this thread's open write changed keys
@@ -68,6 +75,16 @@ class SQLiteStore(SQLStore):
                     conn.execute(sql.BUMP_KEYS)
             finally:
                 self._local.dirty = False
+        if tx.erased:
+            self._forget_ann()
+
+    def _forget_ann(self) -> None:
+        """Drop the ANN indexes, in memory and on disk: they may hold an erased memory's
+        vectors (they are rebuilt from the table by the next large search)."""
+        with self._slabs_lock:
+            for slab in self._slabs.values():
+                slab.ann = None
+            ann.forget_files(self._ann_dir)
 
     def migrations(self) -> list[str]:
         return schema.applied(self._db)
@@ -148,10 +165,66 @@ class SQLiteStore(SQLStore):
     def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
         return set(self.read_ids(Select.of(query, ids=tuple(ids), order=None))) if ids else set()
 
+    def _ann(self, slab: Slab, key: tuple[Any, ...]) -> ann.Ann:
+        """The slab's HNSW index, loaded from its file or built from the live rows, with the
+        rows added since; built again once a quarter of it is dead (call with the lock held)."""
+        index = slab.ann
+        path = ann.file_for(self._ann_dir, key) if self._ann_dir is not None else None
+        live = slab.live_rows()
+        if index is not None:
+            indexed = int(np.count_nonzero(slab.seqs[live] <= index.max_seq))
+            if len(index) - indexed > ann.MAX_DEAD * len(index):
+                index = None  # mostly dead: rebuild
+        elif path is not None:
+            index = ann.Ann.load(path, slab.mat.shape[1])
+        if index is None:
+            index = ann.Ann(slab.mat.shape[1])
+            index.add(slab.seqs[live], slab.mat[live])
+            log.info("built an ANN index over %d keys of %s", len(index), key)
+            if path is not None:
+                index.save(path)
+        new = live[slab.seqs[live] > index.max_seq]
+        index.add(slab.seqs[new], slab.mat[new])
+        slab.ann = index
+        return index
+
+    def _dense_ann(self, slab: Slab, index: ann.Ann, mask: np.ndarray, vector: np.ndarray,
+                   k: int, query: Query) -> list[tuple[str, float]] | None:
+        """The best `k` visible memories among the index's nearest keys, scored exactly from
+        the matrix; None when the visible ones are too few for the index to find them (a
+        scan does it better). Call with the lock held."""
+        count = min(len(index), 2 * k + 64 if not query.conditions else 4 * k + 64)
+        while True:
+            seqs = index.search(vector, count)
+            pos, held = slab.rows_of(seqs)
+            rows = pos[held]
+            rows = rows[mask[rows]]
+            sims = slab.mat[rows] @ vector
+            rows = slab.first_per_memory(rows[np.argsort(-sims, kind="stable")])
+            mids = slab.memory_ids
+            best = dict(zip([mids[r] for r in rows.tolist()], (slab.mat[rows] @ vector).tolist(),
+                            strict=True))
+            if query.conditions:
+                visible = self._visible(query, list(best))
+                best = {mid: s for mid, s in best.items() if mid in visible}
+            if len(best) >= k or count >= len(index):
+                return list(best.items())[:k]
+            if 4 * count > len(index) // 2:
+                return None
+            count *= 4
+
     def dense(self, query: Query, vector: np.ndarray, k: int,
               key: str = "text") -> list[tuple[str, float]]:
         vector = np.asarray(vector, dtype=np.float32)
         slab, exact = self._slab(query, key, vector.shape[0])
+        if exact and k > 0 and slab.n > self.ann_threshold and ann.available():
+            s = query.scope
+            with self._slabs_lock:
+                mask = slab.visible(query)
+                index = self._ann(slab, (s.user_id, s.agent_id, s.session_id, key))
+                hits = self._dense_ann(slab, index, mask, vector, k, query)
+            if hits is not None:
+                return hits
         if exact:
             with self._slabs_lock:
                 rows = np.flatnonzero(slab.visible(query))
@@ -165,9 +238,11 @@ class SQLiteStore(SQLStore):
                     top = np.argpartition(-sims, pool - 1)[:pool] if pool < len(rows) \
                         else np.arange(len(rows))
                     top = top[np.argsort(-sims[top], kind="stable")]
-                    best: dict[str, float] = {}
-                    for i in top:
-                        best.setdefault(mids[rows[i]], float(sims[i]))
+                    # each memory's best key (`top` is best first)
+                    _, first = np.unique(slab.codes[rows[top]], return_index=True)
+                    top = top[np.sort(first)]
+                    best = dict(zip([mids[r] for r in rows[top].tolist()], sims[top].tolist(),
+                                    strict=True))
                     if query.conditions:
                         visible = self._visible(query, list(best))
                         best = {mid: s for mid, s in best.items() if mid in visible}
@@ -259,6 +334,7 @@ class SQLiteStore(SQLStore):
             with self.write() as tx:
                 tx.conn.execute("INSERT INTO memory_fts(memory_fts) VALUES ('optimize')")
             self._db.get().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._forget_ann()
         except sqlite3.Error as exc:
             raise StoreError(f"reclaim failed: {exc}") from exc
 
@@ -274,6 +350,7 @@ class SQLiteTx(SQLTx):
         self.conn = conn
         self.local = local
         self.keys_changed = False
+        self.erased = False  # the saved ANN indexes must go once this commits
 
     def _exec(self, stmt: str, params: Sequence[Any] = ()) -> None:
         self.conn.execute(stmt, params)
@@ -321,6 +398,7 @@ class SQLiteTx(SQLTx):
         self.local.dirty = True
 
     def erase(self, ids: Sequence[str]) -> None:
+        self.erased = True
         for chunk in _chunks(ids, self.dialect.chunk):
             marks = self.dialect.marks(len(chunk))
             self._drop_index(chunk)
