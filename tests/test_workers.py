@@ -92,12 +92,15 @@ def test_two_processes_share_one_sqlite_bucket(tmp_path: Path) -> None:
     assert (tmp_path / "ratelimit.db").exists()
 
 
-def test_two_processes_share_one_postgres_bucket(pg_url: str) -> None:
-    config = Config(database_url=pg_url)
+def test_two_processes_share_one_postgres_bucket(tmp_path: Path, pg_server: Any) -> None:
+    from pg_server import PG
+
+    config = Config(path=tmp_path / "engram.db", database_url=PG.database_for(tmp_path))
     assert sum(_two_processes(config)) == 10
+    assert not (tmp_path / "ratelimit.db").exists()  # the buckets are in PostgreSQL
 
 
-def _serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+def _serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Any]:
     import socket
 
     with socket.socket() as s:
@@ -112,11 +115,13 @@ def _serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     while True:
         try:
             if httpx2.get(f"{base}/ready", timeout=5).status_code == 200:
-                return proc, base
+                return proc, base, log
         except httpx2.TransportError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
+            proc.wait()
+            log.close()
             raise AssertionError((tmp_path / "serve.log").read_text())
         time.sleep(0.3)
 
@@ -136,7 +141,7 @@ def _children(pid: int) -> set[int]:
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="counts worker processes in /proc")
 def test_serve_with_workers_shares_data_and_limits(tmp_path: Path) -> None:
-    proc, base = _serve(tmp_path, "--workers", "2", "--rate", "0.001", "--burst", "12")
+    proc, base, log = _serve(tmp_path, "--workers", "2", "--rate", "0.001", "--burst", "12")
     try:
         # two uvicorn workers (and multiprocessing's resource tracker) under the supervisor
         workers = [p for p in _children(proc.pid)
@@ -160,4 +165,5 @@ def test_serve_with_workers_shares_data_and_limits(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        log.close()
     assert proc.returncode == 0, (tmp_path / "serve.log").read_text()
