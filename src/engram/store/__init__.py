@@ -29,7 +29,8 @@ def open_store(config: Config, tenant: str | None = None) -> Store:
         from .postgres import PostgresStore  # psycopg is only imported when used
 
         return PostgresStore.from_config(config, tenant=tenant or "")
-    return SQLiteStore(tenant_path(config.path, tenant), busy_timeout_s=config.busy_timeout_s)
+    return SQLiteStore(tenant_path(config.path, tenant), busy_timeout_s=config.busy_timeout_s,
+                       ann_threshold=config.ann_threshold)
 
 
 def tenant_path(path: Path, tenant: str | None) -> Path:
