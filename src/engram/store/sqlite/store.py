@@ -193,7 +193,7 @@ class SQLiteStore(SQLStore):
         """The best `k` visible memories among the index's nearest keys, scored exactly from
         the matrix; None when the visible ones are too few for the index to find them (a
         scan does it better). Call with the lock held."""
-        count = min(len(index), 2 * k + 64 if not query.conditions else 4 * k + 64)
+        count = min(len(index), k + k // 8 + 32 if not query.conditions else 4 * k + 64)
         while True:
             seqs = index.search(vector, count)
             pos, held = slab.rows_of(seqs)
