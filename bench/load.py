@@ -166,7 +166,13 @@ async def run(base: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         await preload(http, args.preload, args.users, rng)
         preload_s = time.perf_counter() - t0
-        await http.post("/v1/memories/search", json={"query": "warm up", "limit": 1})
+        # Warm every worker (each loads its own embedder on its first request): concurrent
+        # searches on fresh connections, which the workers' accept loops share between them.
+        async def warm() -> None:
+            async with httpx2.AsyncClient(base_url=base, timeout=600,
+                                          headers={"Authorization": f"Bearer {key}"}) as fresh:
+                await fresh.post("/v1/memories/search", json={"query": "warm up", "limit": 1})
+        await asyncio.gather(*(warm() for _ in range(4 * args.workers)))
         out: dict[str, list[float]] = {"add": [], "search": []}
         errors = {"add": 0, "search": 0}
         until = time.monotonic() + args.duration
