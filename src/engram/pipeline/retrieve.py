@@ -9,15 +9,15 @@ present) -> hits. Each stage's contribution is kept in `Hit.explain` under its o
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Literal, TypeVar
 
+import numpy as np
+
 from ..errors import InvalidInput
-from ..model import Scope
 from ..store.base import Candidate
 from .text import terms
 
@@ -101,14 +101,85 @@ def _minmax(scores: Mapping[K, float], floor: float | None = None,
     """Scores scaled to [0, 1]: the best gets 1; the others lose their gap to the best divided
     by the spread (from the lowest score, or from `floor`), the spread being at least `min_range`
     so that tiny gaps in a small pool are not exaggerated."""
-    if not scores:
-        return {}
-    lo = min(scores.values()) if floor is None else floor
-    hi = max(scores.values())
+    keys = list(scores)
+    return dict(zip(keys, _stretch(np.fromiter(scores.values(), float, len(keys)), floor,
+                                   min_range).tolist(), strict=True))
+
+
+def _stretch(values: np.ndarray, floor: float | None = None, min_range: float = 0.0) -> np.ndarray:
+    """`_minmax` over an array (the same arithmetic, element by element)."""
+    if not len(values):
+        return values
+    lo = float(values.min()) if floor is None else floor
+    hi = float(values.max())
     spread = max(hi - lo, min_range)
     if spread < 1e-12:
-        return {k: 1.0 for k in scores}
-    return {k: max(0.0, 1.0 - (hi - v) / spread) for k, v in scores.items()}
+        return np.ones(len(values))
+    return np.maximum(0.0, 1.0 - (hi - values) / spread)
+
+
+@dataclass(frozen=True)
+class Fused:
+    """The fused candidate pool as arrays over `ids`: per retriever (in the order they were
+    given) its weighted, normalised contribution and whether it found the id at all (a
+    retriever that did not find an id contributes 0 and is left out of its explanation), and
+    their sum."""
+
+    ids: list[str]
+    parts: dict[str, np.ndarray]
+    found: dict[str, np.ndarray]
+    total: np.ndarray
+
+    def as_dicts(self) -> dict[str, dict[str, float]]:
+        """Per id: each finding retriever's contribution, summed as `fused`."""
+        cols = {label: (self.parts[label].tolist(), self.found[label].tolist())
+                for label in self.parts}
+        out: dict[str, dict[str, float]] = {}
+        for i, (mid, total) in enumerate(zip(self.ids, self.total.tolist(), strict=True)):
+            row = {label: part[i] for label, (part, found) in cols.items() if found[i]}
+            row["fused"] = total
+            out[mid] = row
+        return out
+
+    @classmethod
+    def of(cls, fused: Mapping[str, Mapping[str, float]]) -> Fused:
+        """From the per-id dicts `fuse` returns (or a test writes by hand)."""
+        ids = list(fused)
+        labels = list(dict.fromkeys(k for parts in fused.values() for k in parts if k != "fused"))
+        parts = {lb: np.array([fused[m].get(lb, 0.0) for m in ids], dtype=float) for lb in labels}
+        found = {lb: np.array([lb in fused[m] for m in ids], dtype=bool) for lb in labels}
+        return cls(ids, parts, found, np.array([fused[m]["fused"] for m in ids], dtype=float))
+
+
+def fuse_arrays(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapping[str, float],
+                cfg: RetrievalConfig) -> Fused:
+    """Each retriever's scores normalised and weighted (see `fuse`), over the union of the ids
+    they found (the ids of one retriever are distinct), as arrays."""
+    index: dict[str, int] = {}
+    where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for label, hits in ranked.items():
+        w = weights.get(label, 0.0)
+        if not w or not hits:
+            continue
+        pos = np.fromiter((index.setdefault(mid, len(index)) for mid, _ in hits), np.intp, len(hits))
+        if cfg.fusion == "rrf":
+            norm = 1.0 / (cfg.rrf_k + np.arange(len(hits)) + 1.0)
+        else:
+            scores = np.fromiter((s for _, s in hits), float, len(hits))
+            norm = (_stretch(scores, floor=0.0) if label == "lexical"
+                    else _stretch(scores, min_range=cfg.min_cosine_range))
+        where[label] = (pos, w * norm)
+    n = len(index)
+    parts: dict[str, np.ndarray] = {}
+    found: dict[str, np.ndarray] = {}
+    total = np.zeros(n)
+    for label, (pos, values) in where.items():
+        parts[label] = np.zeros(n)
+        parts[label][pos] = values
+        found[label] = np.zeros(n, dtype=bool)
+        found[label][pos] = True
+        total = total + parts[label]  # in retriever order: the same sums as adding floats
+    return Fused(list(index), parts, found, total)
 
 
 def fuse(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapping[str, float],
@@ -120,21 +191,7 @@ def fuse(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapping[str
     Cosines are stretched over at least `cfg.min_cosine_range`, so in a small scope a small gap
     stays small.
     """
-    out: dict[str, dict[str, float]] = {}
-    for label, hits in ranked.items():
-        w = weights.get(label, 0.0)
-        if not w:
-            continue
-        if cfg.fusion == "rrf":
-            norm = {mid: 1.0 / (cfg.rrf_k + r + 1) for r, (mid, _) in enumerate(hits)}
-        else:
-            norm = (_minmax(dict(hits), floor=0.0) if label == "lexical"
-                    else _minmax(dict(hits), min_range=cfg.min_cosine_range))
-        for mid, s in norm.items():
-            out.setdefault(mid, {})[label] = w * s
-    for parts in out.values():
-        parts["fused"] = sum(parts.values())
-    return out
+    return fuse_arrays(ranked, weights, cfg).as_dicts()
 
 
 _WHEN_QUESTION = re.compile(
@@ -151,7 +208,9 @@ def asks_when(query: str) -> bool:
     return bool(_WHEN_QUESTION.search(query))
 
 
+@lru_cache(maxsize=100_000)
 def mentions_time(text: str) -> bool:
+    """Does the text name a time? (Cached: a scope's candidates come back search after search.)"""
     return bool(_TIME_WORDS.search(text))
 
 
@@ -190,7 +249,7 @@ def announces_change(text: str) -> bool:
     return bool(_CHANGE_WORDS.search(text))
 
 
-@lru_cache(maxsize=50_000)
+@lru_cache(maxsize=100_000)
 def topic_words(text: str) -> frozenset[str]:
     """The content words of a text, lightly stemmed, for telling whether two texts share a topic.
     (Cached: a scope's candidates come back search after search.)"""
@@ -274,62 +333,120 @@ Ranked = tuple[str, float, dict[str, float]]  # memory id, score, explanation
 def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candidate], query: str,
          cfg: RetrievalConfig, now: datetime) -> list[Ranked]:
     """Final scores: fused score plus the adjustments the preset turns on, best first."""
-    recs = {mid: candidates[mid] for mid in fused if mid in candidates}
-    explain = {mid: dict(fused[mid]) for mid in recs}
-    score = {mid: fused[mid]["fused"] for mid in recs}
+    return rank_arrays(Fused.of(fused), candidates, query, cfg, now)
 
-    def add(mid: str, label: str, value: float, shown: bool = False) -> None:
-        if value or shown:
-            explain[mid][label] = value
-            score[mid] += value
+
+def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
+                cfg: RetrievalConfig, now: datetime, limit: int | None = None) -> list[Ranked]:
+    """`rank` over the arrays of `fuse_arrays`: the best `limit` (default all), explained.
+
+    Every adjustment is an array added to the score in a fixed order (speaker, when, recency,
+    importance, session, newer), 0 where it does not apply: the same sums, in the same order,
+    as adding each to each candidate's score.
+    """
+    keep = [i for i, mid in enumerate(fused.ids) if mid in candidates]
+    ids = [fused.ids[i] for i in keep]
+    recs = {mid: candidates[mid] for mid in ids}
+    rows = list(recs.values())
+    n = len(rows)
+    whole = len(keep) == len(fused.ids)
+    sel = slice(None) if whole else np.array(keep, dtype=np.intp)
+    score = fused.total[sel].copy()
+    added: dict[str, tuple[np.ndarray, bool]] = {}  # label -> (values, shown where 0 too)
+
+    def add(label: str, values: np.ndarray, shown: bool = False) -> None:
+        nonlocal score
+        added[label] = (values, shown)
+        score = score + values
 
     # A question naming exactly one speaker is about what that speaker said (or, for a fact
     # with no speaker, about what the fact says of them).
-    named = named_speakers(query, {r.name for r in recs.values() if r.name})
+    named = named_speakers(query, {r.name for r in rows if r.name})
     first = next(iter(named)).split()[0] if len(named) == 1 else None
     when = asks_when(query)
     # A question about the past gets no preference for what is newer.
     present = not asks_past(query)
-    recency = span_positions({mid: rec.observed_at or rec.created_at for mid, rec in recs.items()},
-                             now) if cfg.recency_weight and present else {}
-    for mid, rec in recs.items():
-        if cfg.speaker_boost and first and (
-                rec.name in named or (rec.name is None and _names(first, rec.text))):
-            add(mid, "speaker", cfg.speaker_boost)
-        if cfg.when_boost and when and mentions_time(rec.text):
-            add(mid, "when", cfg.when_boost)
-        if recency:  # shown at 0 too: the oldest candidate is 0 by definition, not by omission
-            add(mid, "recency", cfg.recency_weight * recency[mid], shown=True)
-        if cfg.importance_weight:
-            add(mid, "importance", cfg.importance_weight * rec.importance)
+    if cfg.speaker_boost and first:
+        add("speaker", cfg.speaker_boost * np.fromiter(
+            (r.name in named or (r.name is None and _names(first, r.text)) for r in rows),
+            bool, n))
+    if cfg.when_boost and when:
+        add("when", cfg.when_boost * np.fromiter((mentions_time(r.text) for r in rows), bool, n))
+    if cfg.recency_weight and present and n:
+        # shown at 0 too: the oldest candidate is 0 by definition, not by omission
+        add("recency", cfg.recency_weight * _span(rows, now), shown=True)
+    if cfg.importance_weight:
+        add("importance", cfg.importance_weight * np.fromiter(
+            (r.importance for r in rows), float, n))
 
     # Session-level evidence: a turn in the session that best matches the query gains.
     # A memory outside any session (a fact) is a session of its own.
-    if cfg.session_weight:
-        def unit(mid: str) -> Scope | str:
-            rec = recs[mid]
-            return rec.scope if rec.scope.session_id is not None else mid
+    if cfg.session_weight and n:
+        units: dict[object, int] = {}
+        unit = np.fromiter((units.setdefault(
+            (s.user_id, s.agent_id, s.session_id) if (s := r.scope).session_id is not None
+            else r.id, len(units)) for r in rows), np.intp, n)
+        best = np.zeros(len(units))
+        np.maximum.at(best, unit, score)
+        add("session", cfg.session_weight * _stretch(best, min_range=cfg.min_session_range)[unit])
 
-        best: dict[Scope | str, float] = defaultdict(float)
-        for mid in recs:
-            best[unit(mid)] = max(best[unit(mid)], score[mid])
-        norm = _minmax(best, min_range=cfg.min_session_range)
-        for mid in recs:
-            add(mid, "session", cfg.session_weight * norm[unit(mid)])
-
-    if cfg.newer_page and present:
+    order = _order(ids, score)
+    if cfg.newer_page and present and n:
+        top = [ids[i] for i in order[:cfg.newer_page]]
+        on_page = dict(zip(top, score[order[:cfg.newer_page]].tolist(), strict=True))
         # about the question: not the farthest in meaning (dense 0 is the pool's least similar,
         # or `min_cosine_range` of cosine or more below the best)
-        about = {m for m in recs if fused[m].get("dense", 0.0) > 0.0} if cfg.dense_weight else None
+        about = None
+        if cfg.dense_weight:
+            dense = fused.parts.get("dense")
+            close = dense[sel][order[:cfg.newer_page]] > 0.0 if dense is not None else [False] * len(top)
+            about = {m for m, c in zip(top, close, strict=True) if c}
         # the names the question is about ("Ana" in "Where does Ana live?") are shared by every
         # statement about her: they are the subject, never the topic that links a revision
         subject = topic_words(" ".join(re.findall(r"(?<!^)(?<![.?!] )\b[A-Z][\w'-]*", query.strip())))
-        for mid, lift in newest_wins(score, recs, cfg.newer_page, about, subject).items():
-            add(mid, "newer", lift)
+        lifts = newest_wins(on_page, recs, cfg.newer_page, about, subject)
+        if lifts:
+            at = {mid: i for i, mid in enumerate(ids)}
+            lift = np.zeros(n)
+            for mid, v in lifts.items():
+                lift[at[mid]] = v
+            add("newer", lift)
+            order = _order(ids, score)
 
-    out = [(mid, score[mid], {**explain[mid], "score": score[mid]}) for mid in recs]
-    out.sort(key=lambda r: (-r[1], r[0]))
+    out: list[Ranked] = []
+    parts = [(label, values[sel].tolist(), fused.found[label][sel].tolist())
+             for label, values in fused.parts.items()]
+    total = fused.total[sel].tolist()
+    extra = [(label, values.tolist(), shown) for label, (values, shown) in added.items()]
+    final = score.tolist()
+    for i in (order if limit is None else order[:limit]).tolist():
+        explain = {label: v[i] for label, v, f in parts if f[i]}
+        explain["fused"] = total[i]
+        for label, v, shown in extra:
+            if v[i] or shown:
+                explain[label] = v[i]
+        explain["score"] = final[i]
+        out.append((ids[i], final[i], explain))
     return out
+
+
+def _order(ids: Sequence[str], score: np.ndarray) -> np.ndarray:
+    """Positions best first: by score, then by id."""
+    if not len(ids):
+        return np.zeros(0, np.intp)
+    order: np.ndarray = np.lexsort((np.array(ids), -score))
+    return order
+
+
+def _span(rows: Sequence[Candidate], now: datetime) -> np.ndarray:
+    """`span_positions` of the candidates' times (observed, else created), as an array."""
+    secs = np.fromiter((min(r.observed_at or r.created_at, now).timestamp() for r in rows),
+                       float, len(rows))
+    lo, hi = secs.min(), secs.max()
+    if hi - lo <= 0:
+        return np.zeros(len(rows))
+    pos: np.ndarray = (secs - lo) / (hi - lo)
+    return pos
 
 
 def _names(first_name: str, text: str) -> bool:

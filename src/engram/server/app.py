@@ -35,7 +35,7 @@ from .keys import KeyStore, Role, open_key_store
 from .limits import BodyLimitMiddleware, ServiceLimits
 from .local import BrowserGuard
 from .metrics import Metrics, MetricsMiddleware
-from .ratelimit import RateLimiter
+from .ratelimit import open_rate_limiter
 from .routes import router
 from .schemas import ErrorOut, HealthOut
 from .tenants import Tenants
@@ -75,6 +75,7 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
                 yield
         finally:
             tenants.close()
+            limiter.close()
             if own_keys and key_store is not None:
                 key_store.close()
 
@@ -87,7 +88,8 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     app.state.config = config
     app.state.tenants = tenants
     app.state.auth = Authenticator(key_store)
-    app.state.limiter = RateLimiter(limits.rate, limits.burst)
+    app.state.limiter = limiter = open_rate_limiter(config, limits.rate, limits.burst,
+                                                    shared=limits.shared)
     app.state.metrics = metrics
     app.include_router(router)
     mount_console(app)  # the memory console at /ui: the same keys, tenants and Memory methods

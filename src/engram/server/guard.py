@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..errors import EngramError, InvalidInput
 from .auth import Authenticator, Principal, require_writer
 from .errors import ServiceError, classify
-from .ratelimit import RateLimiter, retry_after_header
+from .ratelimit import Limiter, retry_after_header
 
 PRINCIPAL = "engram.principal"  # the ASGI scope key the bearer key's principal is kept under
 
@@ -37,7 +37,7 @@ def authorization(values: list[str]) -> str | None:
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, auth: Authenticator, limiter: RateLimiter, *, route: str) -> None:
+    def __init__(self, app: ASGIApp, auth: Authenticator, limiter: Limiter, *, route: str) -> None:
         self.app = app
         self.auth = auth
         self.limiter = limiter

@@ -18,6 +18,9 @@ class ServiceLimits:
     max_body_bytes: int = 1_048_576  # 1 MiB: 32k characters of text fit many times over
     rate: float = 50.0               # requests per second per tenant, sustained
     burst: int = 100                 # requests a tenant may make at once
+    # Buckets in the database, shared by every service process over it (`engram serve` turns
+    # this on); off, each process keeps its own and N processes allow N times the rate.
+    shared: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024 or self.rate <= 0 or self.burst < 1:

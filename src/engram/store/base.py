@@ -283,8 +283,9 @@ class Store(Protocol):
     def get(self, ids: Sequence[str]) -> dict[str, MemoryRecord]:
         """Stored records by id, whatever their state (deleted, expired, superseded)."""
 
-    def candidates(self, ids: Sequence[str]) -> dict[str, Candidate]:
-        """The ranking fields of stored records by id."""
+    def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]:
+        """The ranking fields of stored records by id (`query`: the search they were found by,
+        whose scope a backend may have cached them for)."""
 
     def select(self, query: Query, *, after_id: str | None = None,
                limit: int = 50) -> list[MemoryRecord]:
@@ -428,7 +429,7 @@ class StoreBase(ABC):
         """The ids of the records `sel` selects, in its order."""
 
     @abstractmethod
-    def candidates(self, ids: Sequence[str]) -> dict[str, Candidate]: ...
+    def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]: ...
 
     @abstractmethod
     def dense(self, query: Query, vector: np.ndarray, k: int,

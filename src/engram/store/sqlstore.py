@@ -24,6 +24,7 @@ from .base import (
     Candidate,
     EntitySelect,
     NameKind,
+    Query,
     RelationSelect,
     Seen,
     Select,
@@ -61,7 +62,7 @@ class SQLStore(StoreBase):
     def read_ids(self, sel: Select) -> list[str]:
         return [row[0] for row in self._rows(sel, ("id",))]
 
-    def candidates(self, ids: Sequence[str]) -> dict[str, Candidate]:
+    def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]:
         out: dict[str, Candidate] = {}
         if ids:
             rows = self._rows(Select(ids=tuple(ids), seen=Seen.ALL, order=None), r.CANDIDATE_COLUMNS)

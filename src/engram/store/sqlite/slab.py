@@ -1,5 +1,6 @@
 """The SQLite store's dense search cache: the vectors of one scope and key name in a numpy
-matrix, with what visibility needs per row, so a search filters and scores in numpy."""
+matrix, with what visibility needs per row, so a search filters and scores in numpy; the
+`text` slab also holds each memory's ranking fields, so the candidate pool costs no SQL."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any
 import numpy as np
 
 from ...model import Kind
-from ..base import Query, Seen
-from ..records import time_bounds
+from ..base import Candidate, Query, Seen
+from ..records import CANDIDATE_COLUMNS, Dialect, read_candidates, time_bounds
+from .ann import Ann
 
 _KIND_CODES = {k.value: i for i, k in enumerate(Kind)}
 TIMES = ("expires_at", "valid_from", "valid_to")  # cached per row, in this order
@@ -25,9 +27,13 @@ class Slab:
     `keys_version` / `rows_version` it was refreshed at: new keys are loaded by seq, deleted
     ones cleared from `key_tombstones`, and a changed row (`rows_version`) reloads the
     attributes of the whole slab.
+
+    A `rich` slab (the `text` key, which every memory has) also keeps the `Candidate` of each
+    row, loaded with it and reloaded with the attributes: the fields ranking reads for the
+    whole candidate pool of a search.
     """
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, rich: bool = False) -> None:
         cap = 1024
         self.mat = np.zeros((cap, dim), dtype=np.float32)
         self.seqs = np.zeros(cap, dtype=np.int64)
@@ -39,6 +45,12 @@ class Slab:
         self.valid_from = np.full(cap, np.nan)
         self.valid_to = np.full(cap, np.nan)
         self.memory_ids: list[str] = []
+        self.codes = np.zeros(cap, dtype=np.int64)  # per row, a number for its memory id
+        self._code: dict[str, int] = {}
+        self.ann: Ann | None = None  # the HNSW index over these rows, at large scopes
+        self.rich = rich
+        self.cands: list[Candidate | None] = []  # per row, when rich
+        self.row_of: dict[str, int] = {}          # memory id -> its latest row, when rich
         self.n = 0
         self.max_seq = 0
         self.version = -1
@@ -48,12 +60,13 @@ class Slab:
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self.seqs))
         self.mat = np.resize(self.mat, (cap, self.mat.shape[1]))
-        for name in ("seqs", "alive", "ok", "kind", *TIMES):
+        for name in ("seqs", "codes", "alive", "ok", "kind", *TIMES):
             setattr(self, name, np.resize(getattr(self, name), cap))
 
     def append(self, seqs: list[int], mids: list[str], vecs: np.ndarray,
-               attrs: Sequence[Sequence[Any]] = ()) -> None:
-        """Add rows in seq order; `attrs` holds (kind, expires_at, valid_from, valid_to) each."""
+               attrs: Sequence[Sequence[Any]] = (), d: Dialect | None = None) -> None:
+        """Add rows in seq order; `attrs` holds (kind, expires_at, valid_from, valid_to) each,
+        followed in a rich slab by the CANDIDATE_COLUMNS (read with dialect `d`)."""
         need = self.n + len(seqs)
         if need > len(self.seqs):
             self._grow(need)
@@ -64,16 +77,44 @@ class Slab:
         if attrs:
             self._set_attrs(np.arange(self.n, need), attrs)
         self.memory_ids.extend(mids)
+        code = self._code
+        self.codes[self.n:need] = [code.setdefault(mid, len(code)) for mid in mids]
+        if self.rich:
+            self.cands.extend(self._candidates(attrs, d) if attrs else [None] * len(mids))
+            for i, mid in enumerate(mids, start=self.n):
+                self.row_of[mid] = i
         self.n = need
         if seqs:
             self.max_seq = max(self.max_seq, max(seqs))
+
+    @staticmethod
+    def _candidates(attrs: Sequence[Sequence[Any]], d: Dialect | None) -> list[Candidate | None]:
+        assert d is not None, "a rich slab's rows are read with their dialect"
+        width = len(CANDIDATE_COLUMNS)
+        out: dict[str, Candidate] = {}
+        read_candidates(d, [a[4:4 + width] for a in attrs], out)
+        return [out.get(a[4]) for a in attrs]
+
+    def candidates(self, ids: Sequence[str]) -> tuple[dict[str, Candidate], list[str]]:
+        """The cached `Candidate` of each id, and the ids it does not hold."""
+        found: dict[str, Candidate] = {}
+        missing: list[str] = []
+        row_of, cands = self.row_of, self.cands
+        for mid in ids:
+            i = row_of.get(mid)
+            c = cands[i] if i is not None else None
+            if c is None:
+                missing.append(mid)
+            else:
+                found[mid] = c
+        return found, missing
 
     def _set_attrs(self, idx: np.ndarray, attrs: Sequence[Sequence[Any]]) -> None:
         self.kind[idx] = [_KIND_CODES.get(a[0], -1) for a in attrs]
         for col, name in enumerate(TIMES, start=1):
             getattr(self, name)[idx] = np.array([a[col] for a in attrs], dtype=np.float64)
 
-    def rows_of(self, seqs: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def rows_of(self, seqs: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Slab row of each seq (seqs are stored ascending) and which of them are held."""
         want = np.asarray(seqs, dtype=np.int64)
         pos = np.searchsorted(self.seqs[:self.n], want)
@@ -85,16 +126,21 @@ class Slab:
         pos, held = self.rows_of(seqs)
         self.alive[pos[held]] = False
 
-    def reset_attrs(self, rows: Sequence[Sequence[Any]]) -> None:
-        """Replace every row's attributes: `rows` are (seq, kind, expires, valid_from, valid_to)
-        of the keys whose memory is in scope and not deleted; the others are not ok."""
+    def reset_attrs(self, rows: Sequence[Sequence[Any]], d: Dialect | None = None) -> None:
+        """Replace every row's attributes: `rows` are (seq, kind, expires, valid_from, valid_to,
+        and in a rich slab the CANDIDATE_COLUMNS) of the keys whose memory is in scope and not
+        deleted; the others are not ok."""
         self.ok[:self.n] = False
         if not rows:
             return
         pos, held = self.rows_of([r[0] for r in rows])
         idx = pos[held]
         self.ok[idx] = True
-        self._set_attrs(idx, [r[1:] for r, h in zip(rows, held, strict=True) if h])
+        attrs = [r[1:] for r, h in zip(rows, held, strict=True) if h]
+        self._set_attrs(idx, attrs)
+        if self.rich:
+            for i, c in zip(idx.tolist(), self._candidates(attrs, d), strict=True):
+                self.cands[i] = c
 
     def visible(self, query: Query) -> np.ndarray:
         """Rows `query` may see, except for its metadata conditions: the visibility rule
@@ -108,3 +154,16 @@ class Slab:
         if query.kinds:
             mask &= np.isin(self.kind[:n], [_KIND_CODES[k.value] for k in query.kinds])
         return mask
+
+    def first_per_memory(self, rows: np.ndarray) -> np.ndarray:
+        """`rows` (best first) keeping each memory's first row only."""
+        if not len(rows):
+            return rows
+        _, first = np.unique(self.codes[rows], return_index=True)
+        first.sort()
+        kept: np.ndarray = rows[first]
+        return kept
+
+    def live_rows(self) -> np.ndarray:
+        """Rows whose key and memory exist (whatever the time and kind)."""
+        return np.flatnonzero(self.alive[:self.n] & self.ok[:self.n])

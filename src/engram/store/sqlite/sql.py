@@ -99,20 +99,29 @@ def lexical(query: Query, terms: Sequence[str], k: int, previous_weight: float) 
 
 # -- the dense cache's reads (see slab.py) ------------------------------------------------------------
 
-def new_keys(scope: Scope, key_name: str, after_seq: int) -> r.Stmt:
-    """Keys added since `after_seq` of live memories of the scope, with what visibility needs."""
+_ATTRS = "m.kind, m.expires_at, m.valid_from, m.valid_to"
+
+
+def _attrs(rich: bool) -> str:
+    return f"{_ATTRS}, {r.columns('m', r.CANDIDATE_COLUMNS)}" if rich else _ATTRS
+
+
+def new_keys(scope: Scope, key_name: str, after_seq: int, rich: bool = False) -> r.Stmt:
+    """Keys added since `after_seq` of live memories of the scope, with what visibility needs
+    (and, `rich`, what ranking needs: the CANDIDATE_COLUMNS)."""
     w = r.Where(DIALECT, "").add("k.seq > ?", after_seq).add("k.kind = ?", key_name)
     w.add("m.deleted_at IS NULL").scope(scope)
-    return ("SELECT k.seq, k.memory_id, k.vector, m.kind, m.expires_at, m.valid_from, m.valid_to "
+    return (f"SELECT k.seq, k.memory_id, k.vector, {_attrs(rich)} "
             f"FROM memory_keys k JOIN memories m ON m.id = k.memory_id WHERE {w.sql} ORDER BY k.seq",
             w.params)
 
 
-def key_attrs(scope: Scope, key_name: str, upto_seq: int) -> r.Stmt:
-    """What visibility needs, for every key up to `upto_seq` of live memories of the scope."""
+def key_attrs(scope: Scope, key_name: str, upto_seq: int, rich: bool = False) -> r.Stmt:
+    """What visibility (and, `rich`, ranking) needs, for every key up to `upto_seq` of live
+    memories of the scope."""
     w = r.Where(DIALECT, "").add("k.kind = ?", key_name).add("k.seq <= ?", upto_seq)
     w.add("m.deleted_at IS NULL").scope(scope)
-    return ("SELECT k.seq, m.kind, m.expires_at, m.valid_from, m.valid_to "
+    return (f"SELECT k.seq, {_attrs(rich)} "
             f"FROM memory_keys k JOIN memories m ON m.id = k.memory_id WHERE {w.sql}", w.params)
 
 

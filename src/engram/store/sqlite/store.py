@@ -23,9 +23,9 @@ import numpy as np
 from ...errors import StoreError
 from ...model import Job, JobStatus, MemoryRecord
 from .. import records as r
-from ..base import Key, Lexical, Query, Select
+from ..base import Candidate, Key, Lexical, Query, Select
 from ..sqlstore import Run, SQLStore, SQLTx
-from . import schema, sql
+from . import ann, schema, sql
 from .conn import BUSY_ERRORS, DB_ERRORS, Connections
 from .slab import Slab
 
@@ -39,10 +39,16 @@ class SQLiteStore(SQLStore):
     MAX_SLABS = 16
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0,
-                 key: str | None = None) -> None:
+                 key: str | None = None, ann_threshold: int = 20_000) -> None:
+        """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
+        scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
+        extra, else always exact), saved beside the database in `<file>.ann/`."""
         self.path = Path(path)
+        self._ann_dir: Path | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._ann_dir = self.path.parent / f"{self.path.name}.ann"
+        self.ann_threshold = ann_threshold
         self.busy_timeout_s = busy_timeout_s
         self._db = Connections(self.path, busy_timeout_s=busy_timeout_s, key=key)
         self._local = threading.local()  # .dirty: this thread's open write changed keys
@@ -76,6 +82,16 @@ class SQLiteStore(SQLStore):
                     conn.execute(sql.BUMP_KEYS)
             finally:
                 self._local.dirty = False
+        if tx.erased:
+            self._forget_ann()
+
+    def _forget_ann(self) -> None:
+        """Drop the ANN indexes, in memory and on disk: they may hold an erased memory's
+        vectors (they are rebuilt from the table by the next large search)."""
+        with self._slabs_lock:
+            for slab in self._slabs.values():
+                slab.ann = None
+            ann.forget_files(self._ann_dir)
 
     def migrations(self) -> list[str]:
         return schema.applied(self._db)
@@ -99,7 +115,7 @@ class SQLiteStore(SQLStore):
         with self._slabs_lock:
             slab = self._slabs.get(key)
             if slab is None or slab.mat.shape[1] != dim:
-                slab = Slab(dim)
+                slab = Slab(dim, rich=key_name == "text")
                 self._slabs[key] = slab
             self._slabs.move_to_end(key)
             while len(self._slabs) > self.MAX_SLABS:
@@ -118,27 +134,104 @@ class SQLiteStore(SQLStore):
                     if dead:
                         slab.kill([d[1] for d in dead])
                         slab.tomb_max = dead[-1][0]
-                rows = self._read(*sql.new_keys(scope, key_name, slab.max_seq))
+                rows = self._read(*sql.new_keys(scope, key_name, slab.max_seq, slab.rich))
                 if rows:
                     vecs = np.frombuffer(b"".join(row[2] for row in rows), dtype=np.float32)
                     slab.append([row[0] for row in rows], [row[1] for row in rows],
-                                vecs.reshape(len(rows), dim), [row[3:] for row in rows])
+                                vecs.reshape(len(rows), dim), [row[3:] for row in rows],
+                                self.dialect)
                     if in_tx:  # their rows may carry this write's uncommitted changes
                         slab.rows_version = -1
                 slab.version = version
             if not in_tx and slab.rows_version != rows_version:
-                slab.reset_attrs(self._read(*sql.key_attrs(scope, key_name, slab.max_seq)))
+                slab.reset_attrs(self._read(*sql.key_attrs(scope, key_name, slab.max_seq, slab.rich)),
+                                 self.dialect)
                 slab.rows_version = rows_version
             exact = not in_tx and slab.version == version and slab.rows_version == rows_version
             return slab, exact
 
+    def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]:
+        """From the scope's `text` cache when it is exact (a search's pool costs no SQL); the
+        ids it does not hold, and every id outside a search, from the table."""
+        if query is None or not ids:
+            return super().candidates(ids)
+        s = query.scope
+        with self._slabs_lock:
+            slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, "text"))
+        if slab is None:
+            return super().candidates(ids)
+        slab, exact = self._slab(query, "text", slab.mat.shape[1])
+        if not exact:
+            return super().candidates(ids)
+        with self._slabs_lock:
+            found, missing = slab.candidates(ids)
+        if missing:
+            found.update(super().candidates(missing))
+        return found
+
     def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
         return set(self.read_ids(Select.of(query, ids=tuple(ids), order=None))) if ids else set()
+
+    def _ann(self, slab: Slab, key: tuple[Any, ...]) -> ann.Ann:
+        """The slab's HNSW index, loaded from its file or built from the live rows, with the
+        rows added since; built again once a quarter of it is dead (call with the lock held)."""
+        index = slab.ann
+        path = ann.file_for(self._ann_dir, key) if self._ann_dir is not None else None
+        live = slab.live_rows()
+        if index is not None:
+            indexed = int(np.count_nonzero(slab.seqs[live] <= index.max_seq))
+            if len(index) - indexed > ann.MAX_DEAD * len(index):
+                index = None  # mostly dead: rebuild
+        elif path is not None:
+            index = ann.Ann.load(path, slab.mat.shape[1])
+        if index is None:
+            index = ann.Ann(slab.mat.shape[1])
+            index.add(slab.seqs[live], slab.mat[live])
+            log.info("built an ANN index over %d keys of %s", len(index), key)
+            if path is not None:
+                index.save(path)
+        new = live[slab.seqs[live] > index.max_seq]
+        index.add(slab.seqs[new], slab.mat[new])
+        slab.ann = index
+        return index
+
+    def _dense_ann(self, slab: Slab, index: ann.Ann, mask: np.ndarray, vector: np.ndarray,
+                   k: int, query: Query) -> list[tuple[str, float]] | None:
+        """The best `k` visible memories among the index's nearest keys, scored exactly from
+        the matrix; None when the visible ones are too few for the index to find them (a
+        scan does it better). Call with the lock held."""
+        count = min(len(index), k + k // 8 + 32 if not query.conditions else 4 * k + 64)
+        while True:
+            seqs = index.search(vector, count)
+            pos, held = slab.rows_of(seqs)
+            rows = pos[held]
+            rows = rows[mask[rows]]
+            sims = slab.mat[rows] @ vector
+            rows = slab.first_per_memory(rows[np.argsort(-sims, kind="stable")])
+            mids = slab.memory_ids
+            best = dict(zip([mids[r] for r in rows.tolist()], (slab.mat[rows] @ vector).tolist(),
+                            strict=True))
+            if query.conditions:
+                visible = self._visible(query, list(best))
+                best = {mid: s for mid, s in best.items() if mid in visible}
+            if len(best) >= k or count >= len(index):
+                return list(best.items())[:k]
+            if 4 * count > len(index) // 2:
+                return None
+            count *= 4
 
     def dense(self, query: Query, vector: np.ndarray, k: int,
               key: str = "text") -> list[tuple[str, float]]:
         vector = np.asarray(vector, dtype=np.float32)
         slab, exact = self._slab(query, key, vector.shape[0])
+        if exact and k > 0 and slab.n > self.ann_threshold and ann.available():
+            s = query.scope
+            with self._slabs_lock:
+                mask = slab.visible(query)
+                index = self._ann(slab, (s.user_id, s.agent_id, s.session_id, key))
+                hits = self._dense_ann(slab, index, mask, vector, k, query)
+            if hits is not None:
+                return hits
         if exact:
             with self._slabs_lock:
                 rows = np.flatnonzero(slab.visible(query))
@@ -152,9 +245,11 @@ class SQLiteStore(SQLStore):
                     top = np.argpartition(-sims, pool - 1)[:pool] if pool < len(rows) \
                         else np.arange(len(rows))
                     top = top[np.argsort(-sims[top], kind="stable")]
-                    best: dict[str, float] = {}
-                    for i in top:
-                        best.setdefault(mids[rows[i]], float(sims[i]))
+                    # each memory's best key (`top` is best first)
+                    _, first = np.unique(slab.codes[rows[top]], return_index=True)
+                    top = top[np.sort(first)]
+                    best = dict(zip([mids[r] for r in rows[top].tolist()], sims[top].tolist(),
+                                    strict=True))
                     if query.conditions:
                         visible = self._visible(query, list(best))
                         best = {mid: s for mid, s in best.items() if mid in visible}
@@ -210,6 +305,9 @@ class SQLiteStore(SQLStore):
         conn = self._db.get()
         try:
             conn.execute("PRAGMA busy_timeout = 20")
+            # An access count is not worth an fsync per search: in WAL mode NORMAL commits
+            # without one (a power cut may lose the last counts, never corrupt the file).
+            conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(
                 "UPDATE memories SET access_count = access_count + 1, last_accessed_at = ? "
@@ -220,6 +318,7 @@ class SQLiteStore(SQLStore):
                 conn.execute("ROLLBACK")
             log.debug("access tracking skipped: %s", exc)
         finally:
+            conn.execute("PRAGMA synchronous = FULL")
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
 
     def claim_job(self, now: datetime, lease_until: datetime) -> Job | None:
@@ -242,6 +341,7 @@ class SQLiteStore(SQLStore):
             with self.write() as tx:
                 tx.conn.execute("INSERT INTO memory_fts(memory_fts) VALUES ('optimize')")
             self._db.get().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self._forget_ann()
         except DB_ERRORS as exc:
             raise StoreError(f"reclaim failed: {exc}") from exc
 
@@ -256,6 +356,7 @@ class SQLiteTx(SQLTx):
         self.unique_violation = conn.IntegrityError  # the driver's own (sqlite3 or SQLCipher)
         self.local = local
         self.keys_changed = False
+        self.erased = False  # the saved ANN indexes must go once this commits
 
     def _exec(self, stmt: str, params: Sequence[Any] = ()) -> None:
         self.conn.execute(stmt, params)
@@ -276,6 +377,9 @@ class SQLiteTx(SQLTx):
     def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
                lexical: Lexical | None = None) -> None:
         self._exec(*sql.update_memory(record))
+        # The text cache holds ranking fields (name, importance, times) that may change with
+        # no key changing: a changed row reloads the cached attributes.
+        self._exec("UPDATE meta SET value = value + 1 WHERE name = 'rows_version'")
         if keys is not None:
             self._exec("DELETE FROM memory_keys WHERE memory_id = ?", (record.id,))
             self._put_keys(record.id, keys)
@@ -300,6 +404,7 @@ class SQLiteTx(SQLTx):
         self.local.dirty = True
 
     def erase(self, ids: Sequence[str]) -> None:
+        self.erased = True
         for chunk in _chunks(ids, self.dialect.chunk):
             marks = self.dialect.marks(len(chunk))
             self._drop_index(chunk)

@@ -1,0 +1,170 @@
+"""The SQLite store's HNSW index for large scopes (store/sqlite/ann.py): it answers like the
+exact scan on a fixture, honours deletes, erasure, scopes and kinds, follows new keys, and is
+saved beside the database and loaded by the next process instead of being built again.
+
+The fixture writes synthetic unit vectors (clustered, deterministic) through the store's own
+write transaction; the threshold is lowered so that a few hundred keys use the index.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engram.model import Kind, MemoryRecord, Scope, new_id
+from engram.pipeline.text import content_hash
+from engram.store import Key, Lexical
+from engram.store.base import Query
+from engram.store.sqlite import SQLiteStore
+from engram.store.sqlite import ann as ann_module
+
+DIM = 32
+NOW = datetime(2025, 6, 1, tzinfo=UTC)
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    return (v / np.linalg.norm(v, axis=-1, keepdims=True)).astype(np.float32)
+
+
+def vectors(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((12, DIM))
+    return unit(centers[rng.integers(0, 12, n)] + 0.5 * rng.standard_normal((n, DIM)))
+
+
+def fill(store: SQLiteStore, scope: Scope, vecs: np.ndarray, kind: Kind = Kind.EPISODIC) -> list[str]:
+    ids = []
+    with store.write() as tx:
+        for i, v in enumerate(vecs):
+            text = f"memory {scope.user_id} {kind.value} {i}"
+            rec = MemoryRecord(id=new_id(), scope=scope, kind=kind, text=text, metadata={},
+                               importance=0.5, role="user", name=None, created_at=NOW,
+                               updated_at=NOW, observed_at=NOW - timedelta(minutes=i),
+                               valid_from=NOW, content_hash=content_hash(text))
+            tx.insert(rec, [Key("text", v)], Lexical(text))
+            ids.append(rec.id)
+    return ids
+
+
+def q(user: str, kinds: tuple[Kind, ...] | None = None) -> Query:
+    return Query(scope=Scope(user_id=user), now=NOW + timedelta(days=1), kinds=kinds)
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "engram.db"
+
+
+@pytest.fixture
+def filled(path: Path) -> dict[str, list[str]]:
+    store = SQLiteStore(path)
+    try:
+        return {"a": fill(store, Scope(user_id="a"), vectors(600, 1)),
+                "b": fill(store, Scope(user_id="b"), vectors(300, 2)),
+                "a-facts": fill(store, Scope(user_id="a"), vectors(100, 3), Kind.SEMANTIC)}
+    finally:
+        store.close()
+
+
+def test_the_index_answers_like_the_exact_scan(path: Path, filled: dict[str, list[str]]) -> None:
+    approx, exact = SQLiteStore(path, ann_threshold=100), SQLiteStore(path, ann_threshold=10**9)
+    try:
+        overlap = []
+        for query in vectors(30, 9):
+            a = approx.dense(q("a"), query, 10)
+            e = exact.dense(q("a"), query, 10)
+            assert len(a) == 10
+            overlap.append(len({m for m, _ in a} & {m for m, _ in e}) / 10)
+            scores = dict(e)
+            for mid, s in a:  # every score is the exact cosine, best first
+                if mid in scores:
+                    assert s == pytest.approx(scores[mid], abs=1e-6)
+            assert [s for _, s in a] == sorted((s for _, s in a), reverse=True)
+        assert np.mean(overlap) >= 0.9
+        assert list((path.parent / "engram.db.ann").glob("*.usearch"))  # saved beside the db
+        assert approx._slabs[("a", None, None, "text")].ann is not None  # it was used
+        assert exact._slabs[("a", None, None, "text")].ann is None
+    finally:
+        approx.close()
+        exact.close()
+
+
+def test_scopes_kinds_deletes_and_new_keys(path: Path, filled: dict[str, list[str]]) -> None:
+    store = SQLiteStore(path, ann_threshold=100)
+    try:
+        probe = vectors(1, 9)[0]
+        mine = set(filled["a"]) | set(filled["a-facts"])
+        first = store.dense(q("a"), probe, 50)
+        assert {m for m, _ in first} <= mine  # never another user's
+        episodes = store.dense(q("a", (Kind.EPISODIC,)), probe, 50)
+        assert {m for m, _ in episodes} <= set(filled["a"])
+        assert len(store.dense(q("a", (Kind.SEMANTIC,)), probe, 50)) == 50  # few: still found
+        # deleted memories are gone at once, though the index still holds their keys
+        gone = [m for m, _ in first[:5]]
+        with store.write() as tx:
+            tx.soft_delete(gone, NOW)
+        after = store.dense(q("a"), probe, 50)
+        assert not {m for m, _ in after} & set(gone)
+        assert [m for m, _ in after][:10] == [m for m, _ in first if m not in gone][:10]
+        # a key added after the index was built is found
+        [new] = fill(store, Scope(user_id="a"), unit(probe[None, :]))
+        assert store.dense(q("a"), probe, 1)[0][0] == new
+    finally:
+        store.close()
+
+
+def test_erase_removes_the_saved_index_and_the_next_search_rebuilds(
+        path: Path, filled: dict[str, list[str]]) -> None:
+    store = SQLiteStore(path, ann_threshold=100)
+    saved = path.parent / "engram.db.ann"
+    try:
+        probe = vectors(1, 9)[0]
+        top = [m for m, _ in store.dense(q("a"), probe, 10)]
+        assert list(saved.glob("*.usearch"))
+        with store.write() as tx:
+            tx.erase(top[:3])
+        assert not list(saved.glob("*.usearch"))  # the file held the erased vectors
+        again = [m for m, _ in store.dense(q("a"), probe, 10)]
+        assert not set(again) & set(top[:3]) and again[:7] == top[3:]
+        assert list(saved.glob("*.usearch"))  # rebuilt from the table, without them
+    finally:
+        store.close()
+
+
+def test_a_saved_index_is_loaded_not_rebuilt(path: Path, filled: dict[str, list[str]],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    probe = vectors(1, 9)[0]
+    first = SQLiteStore(path, ann_threshold=100)
+    try:
+        expected = first.dense(q("a"), probe, 10)
+    finally:
+        first.close()
+    added: list[int] = []
+    real_add = ann_module.Ann.add
+    monkeypatch.setattr(ann_module.Ann, "add",
+                        lambda self, seqs, vecs: (added.append(len(seqs)), real_add(self, seqs, vecs)))
+    second = SQLiteStore(path, ann_threshold=100)
+    try:
+        assert second.dense(q("a"), probe, 10) == expected
+        assert sum(added) == 0  # every key was in the saved index
+    finally:
+        second.close()
+
+
+def test_an_unreadable_saved_index_is_rebuilt(path: Path, filled: dict[str, list[str]]) -> None:
+    saved = path.parent / "engram.db.ann"
+    store = SQLiteStore(path, ann_threshold=100)
+    try:
+        store.dense(q("a"), vectors(1, 9)[0], 10)
+    finally:
+        store.close()
+    for f in saved.glob("*.usearch"):
+        f.write_bytes(b"not an index")
+    store = SQLiteStore(path, ann_threshold=100)
+    try:
+        assert len(store.dense(q("a"), vectors(1, 9)[0], 10)) == 10
+    finally:
+        store.close()
