@@ -1,0 +1,45 @@
+"""Adapters that make engram the memory of agent frameworks: `engram.integrations.llamaindex`,
+`.langgraph` (store and checkpointer) and `.langchain` (chat history and agent middleware).
+
+Each is an optional extra, imported only when its module is; a missing framework raises
+`MissingExtra` naming the extra to install. Every adapter takes an engram `Memory` (or
+`AsyncMemory`) first, so one database serves them all. See docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from engram import AsyncMemory, InvalidInput, Memory
+
+
+class MissingExtra(ImportError):
+    """A framework adapter was imported without its framework installed."""
+
+
+def missing(extra: str, exc: ImportError) -> MissingExtra:
+    """The error for an adapter whose framework is not installed: it names the extra."""
+    return MissingExtra(f"engram.integrations.{extra} needs {exc.name or 'its framework'}, "
+                        f"which is not installed: pip install 'engram[{extra}]'")
+
+
+def require(module: str, extra: str) -> ModuleType:
+    """Import a framework module, or fail with the `pip install` line that provides it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise missing(extra, exc) from exc
+
+
+def sync_memory(memory: Memory | AsyncMemory) -> Memory:
+    """The one implementation: an `AsyncMemory` runs the same `Memory` in a worker thread."""
+    if isinstance(memory, AsyncMemory):
+        return memory.sync
+    if not isinstance(memory, Memory):
+        raise InvalidInput(f"an adapter takes an engram Memory or AsyncMemory first, "
+                           f"not {type(memory).__name__}")
+    return memory
+
+
+__all__ = ["MissingExtra", "missing", "require", "sync_memory"]
