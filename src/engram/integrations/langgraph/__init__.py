@@ -1,0 +1,7 @@
+"""engram for LangGraph: `EngramStore` (long-term memory, `BaseStore`) and `EngramSaver`
+(checkpoints, `BaseCheckpointSaver`), both in the database the engram `Memory` uses.
+See docs/integrations.md."""
+
+from .store import EngramStore
+
+__all__ = ["EngramStore"]
