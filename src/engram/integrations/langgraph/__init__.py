@@ -2,6 +2,7 @@
 (checkpoints, `BaseCheckpointSaver`), both in the database the engram `Memory` uses.
 See docs/integrations.md."""
 
+from .saver import EngramSaver
 from .store import EngramStore
 
-__all__ = ["EngramStore"]
+__all__ = ["EngramSaver", "EngramStore"]
