@@ -42,4 +42,19 @@ def sync_memory(memory: Memory | AsyncMemory) -> Memory:
     return memory
 
 
-__all__ = ["MissingExtra", "missing", "require", "sync_memory"]
+def recall(memory: Memory, query: str, *, user_id: str | None, agent_id: str | None,
+           budget_tokens: int) -> str:
+    """What engram recalls for `query` (pinned memories, current facts, lessons, earlier
+    sessions' summaries, relevant past messages: `Memory.context`'s blocks) as one text of
+    dated, quoted data within `budget_tokens` cl100k tokens; "" when nothing is recalled."""
+    # Memory.context counts the query message and the framing as its fixed cost: measure them
+    # first (no blocks: no search), then give the memories exactly `budget_tokens`.
+    fixed = memory.context(query, user_id=user_id, agent_id=agent_id, budget_tokens=1_000_000,
+                           blocks=[]).fixed_tokens
+    ctx = memory.context(query, user_id=user_id, agent_id=agent_id,
+                         budget_tokens=fixed + budget_tokens)
+    first = ctx.messages[0] if ctx.messages else {}
+    return str(first.get("content") or "") if first.get("role") == "system" else ""
+
+
+__all__ = ["MissingExtra", "missing", "recall", "require", "sync_memory"]

@@ -28,7 +28,7 @@ from typing import Any
 from engram import AsyncMemory, InvalidInput, Memory, NotFound, SessionHandle
 from engram.working import Policy, SessionMessage
 
-from . import missing, sync_memory
+from . import missing, recall, sync_memory
 
 try:
     from llama_index.core.base.llms.types import ChatMessage, TextBlock, ToolCallBlock
@@ -172,15 +172,8 @@ class EngramMemoryBlock(BaseMemoryBlock[str]):
 
     def recall(self, query: str) -> str:
         """The rendered memories for `query` within `budget_tokens` ("" when none)."""
-        mem = self._memory
-        # Memory.context counts the query message and the framing as its fixed cost: measure
-        # them first (no blocks, no search), then give the memories exactly `budget_tokens`.
-        fixed = mem.context(query, user_id=self.user_id, agent_id=self.agent_id,
-                            budget_tokens=1_000_000, blocks=[]).fixed_tokens
-        ctx = mem.context(query, user_id=self.user_id, agent_id=self.agent_id,
-                          budget_tokens=fixed + self.budget_tokens)
-        first = ctx.messages[0] if ctx.messages else {}
-        return str(first.get("content") or "") if first.get("role") == "system" else ""
+        return recall(self._memory, query, user_id=self.user_id, agent_id=self.agent_id,
+                      budget_tokens=self.budget_tokens)
 
     async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> str:
         query = latest_user_text(messages)
@@ -188,7 +181,7 @@ class EngramMemoryBlock(BaseMemoryBlock[str]):
             return ""
         return await asyncio.to_thread(self.recall, query)
 
-    def store(self, messages: Sequence[ChatMessage]) -> int:
+    def remember(self, messages: Sequence[ChatMessage]) -> int:
         """Write messages as episodes, one `Memory.add` per LlamaIndex session; returns how
         many were stored."""
         by_session: dict[str | None, list[dict[str, Any]]] = {}
@@ -211,7 +204,7 @@ class EngramMemoryBlock(BaseMemoryBlock[str]):
         return n
 
     async def _aput(self, messages: list[ChatMessage]) -> None:
-        await asyncio.to_thread(self.store, messages)
+        await asyncio.to_thread(self.remember, messages)
 
     async def atruncate(self, content: str, tokens_to_truncate: int) -> str | None:
         """Drop the least relevant lines until `tokens_to_truncate` tokens are saved."""
