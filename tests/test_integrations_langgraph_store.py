@@ -13,7 +13,7 @@ import pytest
 from langchain.agents import create_agent
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, ToolMessage
-from langgraph.store.base import ListNamespacesOp, MatchCondition
+from langgraph.store.base import GetOp, Item, ListNamespacesOp, MatchCondition, PutOp
 
 from engram import InvalidInput, Memory
 from engram.integrations.langgraph import EngramStore
@@ -156,3 +156,17 @@ def test_langmem_tools_in_an_agent_and_engram_sees_the_memory(mem: Memory) -> No
     assert hits and "Ghent" in hits[0].memory.text
     assert "Ghent" in mem.context("Where will Mia go to school?", user_id="ana").messages[0]["content"]
     assert mem.search("Mia school", user_id="bo") == []
+
+
+def test_a_batch_of_new_keys_is_one_add_and_reads_see_it(mem: Memory) -> None:
+    store = EngramStore(mem)
+    ns = ("b",)
+    out = store.batch([PutOp(ns, "k1", {"content": "one"}), PutOp(ns, "k2", {"content": "two"}),
+                       GetOp(ns, "k1"), PutOp(ns, "k3", {"content": "three"}),
+                       PutOp(ns, "k3", {"content": "three, again"}), GetOp(ns, "k3")])
+    first, last = out[2], out[5]
+    assert isinstance(first, Item) and first.value == {"content": "one"}
+    assert isinstance(last, Item) and last.value == {"content": "three, again"}
+    recs = {r.metadata["lg_key"]: r for r in mem.list(agent_id="langgraph").items}
+    assert recs["k1"].created_at == recs["k2"].created_at  # one add, one transaction
+    assert len(recs) == 3

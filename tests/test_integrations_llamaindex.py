@@ -4,7 +4,6 @@ LlamaIndex's own scripted tool-calling model, `MockFunctionCallingLLM`."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
 import subprocess
@@ -21,7 +20,6 @@ from llama_index.core.memory import Memory as LlamaMemory
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from engram import InvalidInput, Memory
-from engram.integrations import MissingExtra
 from engram.integrations.llamaindex import (
     EngramMemory,
     EngramMemoryBlock,
@@ -227,10 +225,3 @@ def test_messages_round_trip_with_tool_calls() -> None:
         "name": "Ana", "observed_at": "2024-05-01T10:00:00+00:00"}))
     assert named == {"role": "user", "content": "hi", "name": "Ana",
                      "observed_at": "2024-05-01T10:00:00+00:00"}
-
-
-def test_a_missing_framework_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "llama_index.core.base.llms.types", None)
-    monkeypatch.delitem(sys.modules, "engram.integrations.llamaindex")
-    with pytest.raises(MissingExtra, match=r"pip install 'engram\[llamaindex\]'"):
-        importlib.import_module("engram.integrations.llamaindex")

@@ -197,18 +197,14 @@ class EngramStore(BaseStore):
         self._refresh(rec, op.refresh_ttl)
         return self._item(rec)
 
-    def _put(self, op: PutOp) -> None:
-        rec = self._find(op.namespace, op.key)
-        if op.value is None:
-            if rec is not None:
-                self.memory.delete(rec.id, agent_id=self.agent_id)
-            return
+    def _document(self, op: PutOp) -> tuple[dict[str, Any], Any]:
+        """The engram message of a put (its text, metadata) and its expiry."""
+        assert op.value is not None
         if op.index is False:
             fields: list[str] | None = None
         else:
             fields = op.index or (self.index_config or {}).get("fields")
         value = dict(op.value)
-        text = text_of(value, fields)
         meta: dict[str, Any] = {NAMESPACE: json.dumps(list(op.namespace), ensure_ascii=False),
                                 KEY: op.key, VALUE: value, INDEXED: op.index is not False,
                                 **self._prefix_filter(op.namespace)}
@@ -219,13 +215,34 @@ class EngramStore(BaseStore):
                 raise InvalidInput("ttl must be a positive number of minutes")
             meta[TTL] = op.ttl
             expires = utcnow() + timedelta(minutes=op.ttl)
-        if rec is None:
-            self.memory.add({"role": ROLE, "content": text, "metadata": meta},
-                            agent_id=self.agent_id, user_id=self._user(op.namespace),
-                            infer=False, expires_at=expires)
-        else:
-            self.memory.update(rec.id, text=text, metadata=meta, expires_at=expires,
-                               agent_id=self.agent_id)
+        return {"role": ROLE, "content": text_of(value, fields), "metadata": meta}, expires
+
+    def _puts(self, ops: Sequence[PutOp]) -> None:
+        """Puts in order; the new keys of one user (and TTL) are added in one `Memory.add`:
+        one embedding call, one transaction."""
+        if len({(op.namespace, op.key) for op in ops}) < len(ops):
+            for op in ops:  # the same key twice: order matters, one at a time
+                self._puts([op])
+            return
+        new: dict[tuple[str | None, float | None], list[dict[str, Any]]] = {}
+        expiry: dict[tuple[str | None, float | None], Any] = {}
+        for op in ops:
+            rec = self._find(op.namespace, op.key)
+            if op.value is None:
+                if rec is not None:
+                    self.memory.delete(rec.id, agent_id=self.agent_id)
+                continue
+            message, expires = self._document(op)
+            if rec is not None:
+                self.memory.update(rec.id, text=message["content"], metadata=message["metadata"],
+                                   expires_at=expires, agent_id=self.agent_id)
+                continue
+            group = (self._user(op.namespace), op.ttl)
+            new.setdefault(group, []).append(message)
+            expiry[group] = expires
+        for (user, _), messages in new.items():
+            self.memory.add(messages, agent_id=self.agent_id, user_id=user, infer=False,
+                            expires_at=expiry[(user, _)])
 
     def _search(self, op: SearchOp) -> list[SearchItem]:
         prefix = tuple(op.namespace_prefix)
@@ -262,14 +279,21 @@ class EngramStore(BaseStore):
 
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         results: list[Result] = []
-        for op in ops:
+        puts: list[PutOp] = []
+        for op in [*ops, None]:
+            if isinstance(op, PutOp):
+                puts.append(op)
+                results.append(None)
+                continue
+            if puts:  # a run of puts ends: write it before anything reads
+                self._puts(puts)
+                puts = []
+            if op is None:
+                break
             if isinstance(op, GetOp):
                 results.append(self._get(op))
             elif isinstance(op, SearchOp):
                 results.append(self._search(op))
-            elif isinstance(op, PutOp):
-                self._put(op)
-                results.append(None)
             elif isinstance(op, ListNamespacesOp):
                 results.append(self._namespaces(op))
             else:
