@@ -3,13 +3,16 @@ the `pip install` line that provides it, and the core package imports none of th
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from engram import Memory
+from engram import AsyncMemory, Memory
 from engram.integrations import MissingExtra, sync_memory
 
 ADAPTERS = [("engram.integrations.llamaindex", "llama_index.core.base.llms.types", "llamaindex"),
@@ -35,7 +38,10 @@ def test_the_core_imports_no_framework() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_adapters_take_an_engram_memory(mem: Memory) -> None:
+def test_adapters_take_an_engram_memory(mem: Memory, tmp_path: Path, embedder: Any) -> None:
     assert sync_memory(mem) is mem
+    amem = AsyncMemory(tmp_path / "a.db", embedder=embedder)
+    assert sync_memory(amem) is amem.sync  # the one implementation, in a worker thread
+    asyncio.run(amem.close())
     with pytest.raises(ValueError, match="engram Memory or AsyncMemory"):
         sync_memory("engram.db")  # type: ignore[arg-type]
