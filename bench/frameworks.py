@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -185,6 +186,7 @@ def run(data: Path, budgets: list[int], max_questions: int | None,
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         mem = Memory(tmp / "frameworks.db")
+        torch.set_num_threads(1)  # one-text embeddings; threads only contend on a shared machine
         embed = mem.embedder.embed_batch
         embed(["warm up"])
         minilm = MiniLMEmbedding(embed)
@@ -211,6 +213,7 @@ def run(data: Path, budgets: list[int], max_questions: int | None,
             for store in (engram_store, in_memory):  # one batch: one embedding call per store
                 store.batch([PutOp(("memories", uid), t["dia_id"], {"content": t["line"]})
                              for t in ts])
+            print(f"{uid}: {len(ts)} turns stored in every system", file=sys.stderr, flush=True)
             blocks = {b: EngramMemoryBlock(mem, user_id=uid, budget_tokens=b, priority=1) for b in budgets}
             known = set(text)
             for qa in conv["qa"]:
@@ -220,6 +223,8 @@ def run(data: Path, budgets: list[int], max_questions: int | None,
                 if not gold or (max_questions is not None and asked >= max_questions):
                     continue
                 asked += 1
+                if asked % 25 == 0:
+                    print(f"{asked} questions", file=sys.stderr, flush=True)
                 cat = str(qa["category"])
                 for name in ("llamaindex+engram", "llamaindex+vector"):
                     for b in budgets:

@@ -247,31 +247,27 @@ class EngramStore(BaseStore):
     def _search(self, op: SearchOp) -> list[SearchItem]:
         prefix = tuple(op.namespace_prefix)
         want = op.offset + op.limit
+        found: list[tuple[MemoryRecord, float | None]]
         if op.query:
-            out: list[SearchItem] = []
-            pool = min(PAGE, max(4 * want, 20))
+            pool = min(PAGE, max(2 * want, 20))
             while True:
                 hits = self.memory.search(op.query, agent_id=self.agent_id, user_id=self._user(prefix),
                                           filters={**self._prefix_filter(prefix), INDEXED: True},
                                           kinds=["episodic"], limit=pool)
-                out = [self._item(h.memory, h.score, search=True)  # type: ignore[misc]
-                       for h in hits if KEY in h.memory.metadata
-                       and matches(h.memory.metadata[VALUE], op.filter)]
+                found = [(h.memory, h.score) for h in hits if KEY in h.memory.metadata
+                         and matches(h.memory.metadata[VALUE], op.filter)]
                 # a filter may have thrown hits away: look further, up to engram's limit
-                if len(out) >= want or len(hits) < pool or pool == PAGE:
+                if len(found) >= want or len(hits) < pool or pool == PAGE:
                     break
                 pool = min(PAGE, pool * 4)
-            found = out[op.offset: want]
         else:
             recs = [r for r in self._records(prefix, {}) if matches(r.metadata[VALUE], op.filter)]
             recs.sort(key=lambda r: r.updated_at, reverse=True)
-            found = [self._item(r, search=True) for r in recs[op.offset: want]]  # type: ignore[misc]
-        if op.refresh_ttl:
-            for item in found:
-                rec = self._find(item.namespace, item.key)
-                if rec is not None:
-                    self._refresh(rec, True)
-        return found
+            found = [(r, None) for r in recs]
+        page = found[op.offset: want]
+        for rec, _ in page:
+            self._refresh(rec, op.refresh_ttl)
+        return [self._item(rec, score, search=True) for rec, score in page]  # type: ignore[misc]
 
     def _namespaces(self, op: ListNamespacesOp) -> list[tuple[str, ...]]:
         return list_namespaces((tuple(json.loads(r.metadata[NAMESPACE]))
