@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 from engram import AsyncMemory, InvalidInput, Memory
+from engram.working import SessionMessage
 
 
 class MissingExtra(ImportError):
@@ -42,6 +44,18 @@ def sync_memory(memory: Memory | AsyncMemory) -> Memory:
     return memory
 
 
+def as_episode(wire: dict[str, Any]) -> dict[str, Any]:
+    """A session message (OpenAI shape) as a plain `Memory.add` message: a tool call becomes
+    its readable text ("called f(...)"), the tool links go (the long-term log is text)."""
+    out = dict(wire)
+    calls = out.pop("tool_calls", None)
+    out.pop("tool_call_id", None)
+    if calls:
+        said = SessionMessage("assistant", None, tool_calls=calls).text
+        out["content"] = f"{out.get('content') or ''}\n{said}".strip()
+    return out
+
+
 def recall(memory: Memory, query: str, *, user_id: str | None, agent_id: str | None,
            budget_tokens: int) -> str:
     """What engram recalls for `query` (pinned memories, current facts, lessons, earlier
@@ -57,4 +71,4 @@ def recall(memory: Memory, query: str, *, user_id: str | None, agent_id: str | N
     return str(first.get("content") or "") if first.get("role") == "system" else ""
 
 
-__all__ = ["MissingExtra", "missing", "recall", "require", "sync_memory"]
+__all__ = ["MissingExtra", "as_episode", "missing", "recall", "require", "sync_memory"]

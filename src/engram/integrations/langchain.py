@@ -16,7 +16,7 @@ from typing import Any, NotRequired
 from engram import AsyncMemory, InvalidInput, Memory, NotFound, SessionHandle
 from engram.working import SessionMessage
 
-from . import missing, recall, sync_memory
+from . import as_episode, missing, recall, sync_memory
 
 try:
     from langchain.agents.middleware import AgentMiddleware, AgentState, ModelRequest, ModelResponse
@@ -65,17 +65,6 @@ def to_engram(message: BaseMessage) -> dict[str, Any] | None:
 
 def to_langchain(message: SessionMessage) -> BaseMessage:
     return convert_to_messages([message.to_chat()])[0]
-
-
-def as_episode(wire: dict[str, Any]) -> dict[str, Any]:
-    """A session message as a plain `Memory.add` message: a tool call becomes its readable
-    text ("called f(...)"), the tool links go (episodes of the long-term log are text)."""
-    calls = wire.pop("tool_calls", None)
-    wire.pop("tool_call_id", None)
-    if calls:
-        said = SessionMessage("assistant", None, tool_calls=calls).text
-        wire["content"] = f"{wire['content']}\n{said}".strip()
-    return wire
 
 
 # -- the chat history --------------------------------------------------------------------------
@@ -242,5 +231,5 @@ class EngramMiddleware(AgentMiddleware[EngramState, Any, Any]):
         return self._write(state, runtime, upto=len(state["messages"]))
 
 
-__all__ = ["EngramChatMessageHistory", "EngramMiddleware", "EngramState", "as_episode",
-           "to_engram", "to_langchain"]
+__all__ = ["EngramChatMessageHistory", "EngramMiddleware", "EngramState", "to_engram",
+           "to_langchain"]

@@ -28,7 +28,7 @@ from typing import Any
 from engram import AsyncMemory, InvalidInput, Memory, NotFound, SessionHandle
 from engram.working import Policy, SessionMessage
 
-from . import missing, recall, sync_memory
+from . import as_episode, missing, recall, sync_memory
 
 try:
     from llama_index.core.base.llms.types import ChatMessage, TextBlock, ToolCallBlock
@@ -189,12 +189,7 @@ class EngramMemoryBlock(BaseMemoryBlock[str]):
             wire = to_engram(m)
             if wire is None:
                 continue
-            calls = wire.pop("tool_calls", None)
-            wire.pop("tool_call_id", None)
-            if calls and not wire["content"]:
-                wire["content"] = "; ".join(
-                    f"called {c.get('function', {}).get('name', '?')}"
-                    f"({c.get('function', {}).get('arguments', '')})" for c in calls)
+            wire = as_episode(wire)
             session = (m.additional_kwargs or {}).get("session_id")
             by_session.setdefault(session if isinstance(session, str) else None, []).append(wire)
         n = 0
