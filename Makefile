@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
 	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction \
-	bench-encryption bench-entities console-shots clean
+	bench-encryption bench-entities bench-frameworks console-shots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -86,6 +86,10 @@ bench-parity: dev
 # Screenshots of the console's main pages (docs/console/*.png), taken by its browser tests.
 console-shots: dev
 	CONSOLE_SHOTS=docs/console $(VENV)/bin/pytest tests/test_console.py -q
+
+# LoCoMo context evidence through LlamaIndex and LangMem: engram vs the frameworks' own stores.
+bench-frameworks: dev
+	$(PY) bench/frameworks.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
