@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from console_kit import CHROMIUM, CHROMIUM_ARGS, SCRIPT_TEXT, SECRET_B, Live, live_service
-from engram import Memory
+from engram import JobStatus, Memory
+from engram.model import new_id
 from engram.providers.embedders import MiniLM
 
 SHOTS = os.environ.get("CONSOLE_SHOTS")
@@ -335,6 +337,30 @@ def test_timeline_context_and_jobs_pages(page: Page, live: Live) -> None:
     shot(page, "context")
     page.goto(f"{live.url}/ui/jobs")
     expect(page.locator("main h1")).to_have_text("Background jobs")
+
+
+def test_a_failed_job_is_retried_from_the_jobs_page(page: Page, live: Live) -> None:
+    """A failed job shows its error and a Retry button (writers only); Retry queues it again
+    through `Memory.retry`, and the worker then does it."""
+    mem = live.memory("a")
+    done = mem.add("Zed fixed the boiler on Sunday", user_id="zed", background=True).job
+    assert done is not None and mem.wait(done.id, 60).status is JobStatus.DONE
+    failed = replace(mem.job(done.id), id=new_id(), key=None, status=JobStatus.FAILED, attempts=4,
+                     error="StoreError: disk on fire", result=None)
+    with mem.store.write() as tx:
+        tx.put_job(failed)
+    login(page, live, "a-reader")
+    page.goto(f"{live.url}/ui/jobs?user_id=zed&status=failed")
+    row = page.locator("tr.job-failed")
+    expect(row).to_contain_text("disk on fire")
+    expect(row.get_by_role("button", name="Retry")).to_have_count(0)  # a reader sees, never acts
+    page.context.clear_cookies()
+    login(page, live, "a-member")
+    page.goto(f"{live.url}/ui/jobs?user_id=zed&status=failed")
+    page.locator("tr.job-failed").get_by_role("button", name="Retry").click()
+    expect(page).to_have_url(f"{live.url}/ui/jobs?user_id=zed")
+    assert mem.wait(failed.id, 60).status is JobStatus.DONE
+    assert api(live, "a-member", "POST", f"/v1/jobs/{failed.id}/retry").status_code == 409
 
 
 def test_graph_view_of_an_entitys_neighbourhood(page: Page, live: Live) -> None:

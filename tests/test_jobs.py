@@ -110,6 +110,31 @@ def test_invalid_payload_fails_without_retry(quiet: Memory, monkeypatch: pytest.
     assert quiet.job(job.id).status is JobStatus.FAILED and quiet.job(job.id).attempts == 1
 
 
+def test_retry_queues_a_failed_job_again(quiet: Memory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`retry` (the console's button, POST /v1/jobs/{id}/retry): a failed job runs again with
+    its attempts reset; a job that has not failed, or an unknown one, is refused."""
+    def invalid(*args: Any, **kwargs: Any) -> Any:
+        raise InvalidInput("nope")
+
+    with monkeypatch.context() as mp:
+        mp.setattr("engram.pipeline.write.add", invalid)
+        job = quiet.add("the ferry was late", user_id="ana", background=True).job
+        assert job is not None
+        quiet.work(until_idle=True)
+    assert quiet.job(job.id).status is JobStatus.FAILED
+    again = quiet.retry(job.id)
+    assert (again.id, again.status, again.attempts, again.error) == (job.id, JobStatus.QUEUED, 0, None)
+    with pytest.raises(Conflict):
+        quiet.retry(job.id)  # queued: nothing to retry
+    assert quiet.work(until_idle=True) == 1
+    assert quiet.job(job.id).status is JobStatus.DONE
+    assert [m.text for m in quiet.list(user_id="ana").items] == ["the ferry was late"]
+    with pytest.raises(Conflict):
+        quiet.retry(job.id)  # done
+    with pytest.raises(NotFound):
+        quiet.retry("no-such-job")
+
+
 def test_same_key_retried_100_times_adds_once(mem: Memory) -> None:
     first = mem.add("I like tea", user_id="ana", idempotency_key="req-1")
     for _ in range(100):

@@ -220,6 +220,9 @@ class AsyncMemory:
     async def job(self, id: str) -> Job:
         return await _in_thread(self.sync.job, id)
 
+    async def retry(self, id: str) -> Job:
+        return await _in_thread(self.sync.retry, id)
+
     async def jobs(self, *, user_id: str | None = None, agent_id: str | None = None,
                    session_id: str | None = None, status: str | JobStatus | None = None,
                    limit: int = 50) -> builtins.list[Job]:

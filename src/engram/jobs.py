@@ -95,13 +95,7 @@ class Queue:
                     raise KeyReused(f"idempotency key {key!r} was used for a different request")
                 if known.status is not JobStatus.FAILED:
                     return known
-                # the same request again after it failed for good: run it again
-                job = replace(known, status=JobStatus.QUEUED, attempts=0, run_at=now, error=None,
-                              updated_at=now)
-                with store.write() as tx:
-                    tx.put_job(job)
-                self.start()
-                return job
+                return self._requeue(known)  # the same request again after it failed for good
         job = Job(id=new_id(), task=task, scope=scope, payload=payload, status=JobStatus.QUEUED,
                   created_at=now, updated_at=now, run_at=now, key=key, fingerprint=fp)
         try:
@@ -113,6 +107,24 @@ class Queue:
                 raise
             return known
         log.info("queued %s job %s", task, job.id)
+        self.start()
+        return job
+
+    def retry(self, id: str) -> Job:
+        """A failed job queued again, its attempts reset (Conflict unless it failed: a queued,
+        running or done job needs no retry)."""
+        job = self.job(id)
+        if job.status is not JobStatus.FAILED:
+            raise Conflict(f"job {id} is {job.status.value}: only a failed job can be retried")
+        return self._requeue(job)
+
+    def _requeue(self, job: Job) -> Job:
+        now = utcnow()
+        job = replace(job, status=JobStatus.QUEUED, attempts=0, run_at=now, error=None,
+                      lease_until=None, updated_at=now)
+        with self.engine.store.write() as tx:
+            tx.put_job(job)
+        log.info("queued %s job %s again", job.task, job.id)
         self.start()
         return job
 

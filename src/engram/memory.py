@@ -434,6 +434,11 @@ class Memory:
         """A background job by id (NotFound if unknown)."""
         return self._queue.job(id)
 
+    def retry(self, id: str) -> Job:
+        """Queue a failed job again, its attempts reset (NotFound if unknown; Conflict unless
+        it failed)."""
+        return self._queue.retry(valid.ident(id))
+
     def jobs(self, *, user_id: str | None = None, agent_id: str | None = None,
              session_id: str | None = None, status: str | JobStatus | None = None,
              limit: int = 50) -> builtins.list[Job]:

@@ -52,3 +52,15 @@ def jobs(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
     for j in found:
         typer.echo(f"{j.id}  {j.task:8} {j.status.value:8} attempts={j.attempts}"
                    + (f"  error: {j.error}" if j.error else ""))
+
+
+def retry(ctx: typer.Context, id: Annotated[str, typer.Argument(help="The failed job's id.")],
+          db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Queue a failed job again, its attempts reset."""
+    st = state(ctx, db, as_json)
+    with open_memory(st) as mem:
+        job = mem.retry(id)
+    if st.json:
+        print_json(job.to_dict())
+    else:
+        typer.echo(f"queued job {job.id} ({job.task}) again")

@@ -235,6 +235,12 @@ def get_job(id: MemoryId, ctx: Context) -> Any:
     return ctx.mem.job(id).to_dict()
 
 
+@router.post("/jobs/{id}/retry", response_model=JobOut, tags=["jobs"], responses=_errors(404, 409))
+def retry_job(id: MemoryId, ctx: Context) -> Any:
+    """Queue a failed job again (its attempts reset); 409 unless it failed."""
+    return ctx.mem.retry(id).to_dict()
+
+
 # -- export / import ---------------------------------------------------------------------------
 
 @router.get("/export", tags=["export"], response_class=FileResponse,

@@ -373,6 +373,15 @@ async def jobs(request: Request) -> Response:
         "jobs": page.mem.jobs(**page.scope, status=page.arg("status"), limit=100)})
 
 
+@router.post("/jobs/{id}/retry")
+async def retry(request: Request, id: str) -> Response:
+    page = await _page(request)
+    await _form(request, page)
+    require_writer(page.principal, "retrying a job")
+    await run_in_threadpool(lambda: page.mem.retry(id))
+    return RedirectResponse(page.url("/jobs"), status_code=303)
+
+
 @router.get("/graph")
 async def graph(request: Request) -> Response:
     """An entity's neighbourhood (`Memory.neighbours`, as GET /v1/graph/neighbours), drawn."""
