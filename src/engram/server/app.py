@@ -52,7 +52,7 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     the MCP SDK (the mcp extra) is not installed."""
     config = config or Config.from_env()
     limits = limits or ServiceLimits()
-    embedder = embedder or get_embedder(config.embedder)
+    embedder = embedder or get_embedder(config.embedder, config)
     own_keys = auth and keys is None
     key_store = (keys or open_key_store(config)) if auth else None
     tenants = Tenants(config, embedder)
