@@ -157,8 +157,9 @@ class MiniLM(Batched):
     max_tokens = 256
 
     def __init__(self, cache_dir: Path | None = None, threads: int | None = None,
-                 batch_tokens: int = 4096) -> None:
+                 batch_tokens: int = 4096, int8: bool = False) -> None:
         super().__init__()
+        self.int8 = int8
         self.cache_dir = cache_dir
         self.threads = threads or default_threads()
         self.batch_tokens = batch_tokens
@@ -187,7 +188,7 @@ class MiniLM(Batched):
                     from ..config import default_cache_dir
 
                     self.cache_dir = default_cache_dir()
-                path = graph.ensure_graph(self.cache_dir, folder)
+                path = graph.ensure_graph(self.cache_dir, folder, self.int8)
                 tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
                 tokenizer.enable_truncation(self.max_tokens)
                 tokenizer.no_padding()

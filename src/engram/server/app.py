@@ -25,6 +25,7 @@ from .. import Memory, __version__
 from ..config import Config
 from ..errors import EngramError
 from ..providers.embedders import Embedder, get_embedder
+from ..providers.embedders import load as load_embedder
 from .auth import Authenticator
 from .docs import add_docs
 from .errors import ServiceError, error_response, from_engram_error, validation_message
@@ -62,6 +63,9 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The model loads before the first request is served (/ready included): no request
+        # pays for it.
+        await run_in_threadpool(load_embedder, embedder)
         try:
             if mcp_mount is not None:
                 async with mcp_mount.lifespan():
