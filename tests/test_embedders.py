@@ -6,20 +6,23 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engram import Config
+from engram import Config, Memory
 from engram.errors import ProviderError
 from engram.providers import onnx as onnx_graph
 from engram.providers.embedders import (
     MiniLM,
+    OpenAIEmbedder,
     SentenceTransformerMiniLM,
     get_embedder,
     length_batches,
 )
+from llm_server import LlamaServer, free_port
 
 
 def test_concurrent_callers_get_exactly_their_vectors(embedder: MiniLM) -> None:
@@ -141,3 +144,43 @@ def test_embedders_are_built_by_name_from_the_config(tmp_path: Path) -> None:
     assert isinstance(get_embedder("minilm-torch", config), SentenceTransformerMiniLM)
     with pytest.raises(ProviderError, match="unknown embedder"):
         get_embedder("nope", config)
+
+
+# -- an OpenAI-compatible /v1/embeddings endpoint: a real llama.cpp server ---------------------
+
+
+@pytest.fixture(scope="module")
+def llama_embeddings() -> Iterator[str]:
+    with LlamaServer(embedding=True) as server:
+        yield server.base_url
+
+
+@pytest.mark.slow
+def test_openai_embedder_against_a_real_llama_cpp_server(llama_embeddings: str,
+                                                         tmp_path: Path) -> None:
+    config = Config(path=tmp_path / "m.db", embedder="openai", embed_base_url=llama_embeddings,
+                    embed_batch_size=1)
+    embedder = get_embedder("openai", config)
+    assert isinstance(embedder, OpenAIEmbedder)
+    texts = ["I like green tea", "I enjoy drinking tea", "The train was late again"]
+    vectors = embedder.embed_batch(texts)
+    assert embedder.model and embedder.dim == vectors.shape[1] == 576  # SmolLM2-135M's width
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    sims = vectors @ vectors.T
+    assert sims[0, 1] > sims[0, 2] and sims[0, 1] > sims[1, 2]  # tea is nearer tea than trains
+    embedder.close()
+    # through Memory: stored and found with the endpoint's vectors
+    with Memory(config=config) as mem:
+        mem.add(texts, user_id="u")
+        assert mem.search("tea", user_id="u", limit=3)
+        assert isinstance(mem.embedder, OpenAIEmbedder)
+        mem.embedder.close()
+
+
+def test_openai_embedder_failures_are_provider_errors(tmp_path: Path) -> None:
+    with pytest.raises(ProviderError, match="ENGRAM_EMBED_BASE_URL"):
+        get_embedder("openai", Config(path=tmp_path / "m.db"))
+    unreachable = OpenAIEmbedder(f"http://127.0.0.1:{free_port()}/v1", model="m", timeout_s=2)
+    with pytest.raises(ProviderError, match="failed"):
+        unreachable.embed_batch(["nobody answers"])
+    unreachable.close()

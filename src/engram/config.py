@@ -65,6 +65,7 @@ class Config:
     embed_api_key: str | None = field(default=None, repr=False)
     embed_model: str | None = None          # embedder `openai`: None: the first model listed
     embed_timeout_s: float = 60.0           # embedder `openai`: per request
+    embed_batch_size: int = 256             # embedder `openai`: texts per request
 
     # -- PostgreSQL tuning (ENGRAM_PG_*; read by store.postgres.PostgresStore.from_config) --------
     # The lock timeout of a PostgreSQL write is `busy_timeout_s` (ENGRAM_BUSY_TIMEOUT).
@@ -150,6 +151,7 @@ class Config:
             *cls._pg_env(),  # PostgreSQL tuning
             ("embed_threads", "ENGRAM_EMBED_THREADS", int),  # embedders
             ("embed_timeout_s", "ENGRAM_EMBED_TIMEOUT", float),
+            ("embed_batch_size", "ENGRAM_EMBED_BATCH_SIZE", int),
         ):
             if env.get(key):
                 try:
@@ -190,6 +192,8 @@ class Config:
             raise InvalidInput(f"llm_structured must be one of {', '.join(LLM_STRUCTURED)}")
         if self.embed_threads is not None and self.embed_threads < 1:
             raise InvalidInput("embed_threads must be positive (ENGRAM_EMBED_THREADS)")
+        if self.embed_batch_size < 1:
+            raise InvalidInput("embed_batch_size must be positive (ENGRAM_EMBED_BATCH_SIZE)")
         if self.embed_timeout_s <= 0:
             raise InvalidInput("embed_timeout_s must be positive (ENGRAM_EMBED_TIMEOUT)")
         self._pg_validated()  # PostgreSQL tuning
