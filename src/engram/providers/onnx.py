@@ -103,7 +103,9 @@ def build_graph(folder: Path) -> Any:
 
     def w(name: str, transpose: bool = False) -> str:
         value = weights[name].astype(np.float32)
-        return const(name + (".T" if transpose else ""), np.ascontiguousarray(value.T) if transpose else value)
+        if transpose:
+            return const(name + ".T", np.ascontiguousarray(value.T))
+        return const(name, value)
 
     def op(kind: str, inputs: list[str], out: str, **attrs: Any) -> str:
         nodes.append(helper.make_node(kind, inputs, [out], name=out, **attrs))
@@ -141,7 +143,7 @@ def build_graph(folder: Path) -> Any:
     for i in range(int(cfg["num_hidden_layers"])):
         p = f"encoder.layer.{i}"
 
-        def heads_of(name: str, perm: list[int], p: str = p) -> str:
+        def heads_of(name: str, perm: list[int], p: str = p, h: str = h) -> str:
             x = linear(h, f"{p}.attention.self.{name}", f"{p}.{name}")
             return op("Transpose", [op("Reshape", [x, split], f"{p}.{name}.split")],
                       f"{p}.{name}.t", perm=perm)
