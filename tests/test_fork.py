@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engram import Memory
-from engram.providers.embedders import MiniLM
+from engram.providers.embedders import Embedder, MiniLM, SentenceTransformerMiniLM
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +21,14 @@ def _child(mem: Memory, n: int) -> None:
     assert len(mem.search(f"child {n} remembers", user_id="u", limit=20)) >= 10
 
 
-def test_forked_children_add_and_search_after_the_parent_used_the_memory(tmp_path: Path) -> None:
-    # Its own embedder with the default thread pool, used before the fork, as an app would.
-    mem = Memory(tmp_path / "m.db", embedder=MiniLM(threads=2))
+EMBEDDERS: dict[str, type[Embedder]] = {"onnx": MiniLM, "torch": SentenceTransformerMiniLM}
+
+
+@pytest.mark.parametrize("runtime", sorted(EMBEDDERS))
+def test_forked_children_add_and_search_after_the_parent_used_the_memory(
+        tmp_path: Path, runtime: str) -> None:
+    # Its own embedder with its default thread pool, used before the fork, as an app would.
+    mem = Memory(tmp_path / "m.db", embedder=EMBEDDERS[runtime]())
     mem.add("the parent was here first", user_id="u")
     assert mem.search("parent", user_id="u")
     ctx = multiprocessing.get_context("fork")
