@@ -28,7 +28,7 @@ def shared_embedder() -> embedders.MiniLM:
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch: pytest.MonkeyPatch, shared_embedder: embedders.MiniLM) -> None:
-    monkeypatch.setitem(embedders.EMBEDDERS, "minilm", lambda config: shared_embedder)
+    monkeypatch.setitem(embedders.EMBEDDERS, "minilm", lambda: shared_embedder)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for var in ("ENGRAM_DB", "ENGRAM_EMBEDDER", "ENGRAM_RETRIEVAL", "ENGRAM_MAX_TEXT_CHARS"):
         monkeypatch.delenv(var, raising=False)

@@ -13,6 +13,7 @@ A library leaves the process environment alone: thread-pool settings of torch an
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -210,7 +211,8 @@ class MiniLM(Batched):
 
     def load(self) -> None:
         """Load the runtime now (a service does before it says it is ready)."""
-        self._load()
+        with self._lock:  # not while a first call is loading it too
+            self._load()
 
     def _encode(self, texts: list[str]) -> np.ndarray:
         session, tokenizer = self._load()
@@ -403,7 +405,8 @@ EMBEDDERS: dict[str, Callable[[Config], Embedder]] = {
 
 
 def register_embedder(name: str, factory: Callable[[Config], Embedder]) -> None:
-    """`factory(config)` builds the embedder named `name` (Config.embedder, ENGRAM_EMBEDDER)."""
+    """`factory(config)` builds the embedder named `name` (Config.embedder, ENGRAM_EMBEDDER);
+    a factory taking no argument is called without the config."""
     EMBEDDERS[name] = factory
 
 
@@ -412,6 +415,8 @@ def get_embedder(name: str, config: Config | None = None) -> Embedder:
         factory = EMBEDDERS[name]
     except KeyError:
         raise ProviderError(f"unknown embedder {name!r}; registered: {sorted(EMBEDDERS)}") from None
+    if not inspect.signature(factory).parameters:  # a factory of before the Config was passed
+        return factory()  # type: ignore[call-arg]
     if config is None:
         from ..config import Config
 
