@@ -9,14 +9,13 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
 	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction \
-	bench-encryption bench-entities bench-frameworks console-shots clean
+	bench-encryption bench-entities bench-frameworks bench-peers console-shots clean
 
 $(PY):
 	python3 -m venv $(VENV)
 
-# The CPU build of torch is pinned first, so sentence-transformers never pulls a CUDA build.
+# The default install needs no torch: the embedder runs on ONNX Runtime (providers/onnx.py).
 $(VENV)/.installed: pyproject.toml | $(PY)
-	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[all]'
 	touch $@
 
@@ -24,6 +23,9 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 # pip caches the wheel after that.
 $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 	@echo "installing dev tools; building llama-cpp-python from source takes several minutes"
+	@# the CPU build of torch first, so sentence-transformers (the minilm-torch reference) never
+	@# pulls a CUDA build
+	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	@# the console's browser tests drive Debian's chromium (Playwright's own download is offline here)
 	@test -x /usr/bin/chromium || (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium))
@@ -91,5 +93,17 @@ console-shots: dev
 bench-frameworks: dev
 	$(PY) bench/frameworks.py
 
+# engram and Mem0 OSS side by side on LoCoMo dev (bench/peers.py). Mem0 gets its own venv:
+# mem0ai pins versions engram's venv should not share.
+PEERS ?= .venv-peers
+$(PEERS)/.installed: pyproject.toml
+	python3 -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q torch==2.13.0
+	$(PEERS)/bin/python -m pip install -q mem0ai==2.2.1 qdrant-client sentence-transformers -e .
+	touch $@
+
+bench-peers: install $(PEERS)/.installed
+	$(PY) bench/peers.py --peers-python $(PEERS)/bin/python
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

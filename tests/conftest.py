@@ -74,13 +74,9 @@ def _clean_env() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def embedder() -> MiniLM:
     """The real local model, loaded once: loading takes seconds, embedding milliseconds."""
-    import torch
-
-    # Tests embed a few short texts at a time. With torch's default of one thread per core,
-    # any other busy process on the machine makes each call ~30x slower (threads wait on
-    # each other); one thread keeps the suite's time steady.
-    torch.set_num_threads(1)
-    model = MiniLM()
+    # Tests embed a few short texts at a time: one intra-op thread keeps the suite's time
+    # steady when other processes on the machine are busy.
+    model = MiniLM(threads=1)
     model.embed_batch(["warm up"])
     return model
 

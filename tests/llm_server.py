@@ -41,8 +41,9 @@ class LlamaServer:
     """`python -m llama_cpp.server` on a free local port, ready once /v1/models answers."""
 
     def __init__(self, model: Path | None = None, *, n_ctx: int = 2048,
-                 startup_timeout_s: float = 120.0) -> None:
+                 startup_timeout_s: float = 120.0, embedding: bool = False) -> None:
         self.model = model or smollm2_gguf()
+        self.embedding = embedding  # serve /v1/embeddings (llama.cpp's --embedding)
         self.n_ctx = n_ctx
         self.startup_timeout_s = startup_timeout_s
         self.port = free_port()
@@ -66,7 +67,8 @@ class LlamaServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llama_cpp.server", "--model", str(self.model),
              "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", str(self.n_ctx),
-             "--n_threads", threads, "--n_threads_batch", threads],
+             "--n_threads", threads, "--n_threads_batch", threads,
+             *(["--embedding", "true"] if self.embedding else [])],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

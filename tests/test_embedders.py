@@ -1,14 +1,28 @@
-"""The local embedder under concurrency: callers share forward passes and get their own rows."""
+"""The local embedder: the ONNX graph gives the vectors sentence-transformers gives, callers
+share forward passes and get their own rows, queries are cached, the graph is built once."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engram.providers.embedders import MiniLM
+from engram import Config, Memory
+from engram.errors import ProviderError
+from engram.providers import onnx as onnx_graph
+from engram.providers.embedders import (
+    MiniLM,
+    OpenAIEmbedder,
+    SentenceTransformerMiniLM,
+    get_embedder,
+    length_batches,
+)
+from llm_server import LlamaServer, free_port
 
 
 def test_concurrent_callers_get_exactly_their_vectors(embedder: MiniLM) -> None:
@@ -46,3 +60,127 @@ def test_loading_the_model_leaves_the_process_environment_alone(
     vectors = MiniLM().embed_batch(["offline, without the environment's help"])
     assert vectors.shape == (1, 384)
     assert dict(os.environ) == before
+
+
+# -- the ONNX runtime: the same vectors as sentence-transformers, a cached graph, batching --------
+
+TEXTS = ["Hello there, how are you?", "Caroline: I went to the LGBTQ support group yesterday.",
+         "x", "", "Ünïcödé, emoji 🙂 and 中文 mixed in", "numbers 12345 and code `f(x) = y`",
+         "a very long message about trains and tea " * 60]  # past the 256-token truncation
+
+
+def test_onnx_vectors_match_sentence_transformers(embedder: MiniLM) -> None:
+    reference = SentenceTransformerMiniLM().embed_batch(TEXTS)
+    got = embedder.embed_batch(TEXTS)
+    assert got.shape == reference.shape == (len(TEXTS), 384)
+    cosines = (got * reference).sum(axis=1)
+    assert cosines.min() >= 0.999, cosines
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_a_batch_gives_each_text_the_vector_it_gets_alone(embedder: MiniLM) -> None:
+    """Sorting by length and padding per batch changes nothing about a text's vector."""
+    together = embedder.embed_batch(TEXTS)
+    for i, text in enumerate(TEXTS):
+        np.testing.assert_allclose(embedder._encode([text])[0], together[i], atol=1e-5)
+
+
+def test_length_batches_sort_by_length_and_respect_the_budget() -> None:
+    lengths = [5, 100, 7, 6, 100, 300, 8]
+    batches = length_batches(lengths, budget=200)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:  # one over-long row may stand alone; otherwise the padded size fits
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 200
+    flat = [lengths[i] for b in batches for i in b]
+    assert flat == sorted(flat)
+    assert batches[0] == [0, 3, 2, 6]  # the short rows share one batch
+
+
+def test_a_repeated_query_is_embedded_once(embedder: MiniLM,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[list[str]] = []
+    encode = embedder._encode
+
+    def counting(texts: list[str]) -> np.ndarray:
+        calls.append(texts)
+        return encode(texts)
+
+    monkeypatch.setattr(embedder, "_encode", counting)
+    first = embedder.embed_batch(["what does Caroline do on weekends? (cache test)"])
+    again = embedder.embed_batch(["what does Caroline do on weekends? (cache test)"])
+    np.testing.assert_array_equal(first, again)
+    assert len(calls) == 1
+    again[0, 0] = 42.0  # a caller changing its copy does not change the cache
+    assert embedder.embed_batch(["what does Caroline do on weekends? (cache test)"])[0, 0] != 42.0
+
+
+def _build(cache_dir: str) -> str:
+    return str(onnx_graph.ensure_graph(Path(cache_dir)))
+
+
+@pytest.mark.slow
+def test_concurrent_processes_build_one_whole_graph(tmp_path: Path) -> None:
+    """Two processes finding no cached graph both build it; each renames a whole file into
+    place, and no temporary file is left behind."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        paths = pool.map(_build, [str(tmp_path)] * 2)
+    assert paths[0] == paths[1]
+    assert [p.name for p in tmp_path.iterdir()] == [Path(paths[0]).name]
+    vectors = MiniLM(cache_dir=tmp_path, threads=1).embed_batch(["built in a race"])
+    assert vectors.shape == (1, 384)
+
+
+def test_the_cached_graph_is_named_by_model_and_builder_version() -> None:
+    name = onnx_graph.cache_name(onnx_graph.model_dir())
+    assert f"g{onnx_graph.GRAPH_VERSION}" in name and name.endswith(".onnx")
+    assert onnx_graph.cache_name(onnx_graph.model_dir(), int8=True) != name
+
+
+def test_embedders_are_built_by_name_from_the_config(tmp_path: Path) -> None:
+    config = Config(path=tmp_path / "m.db", cache_dir=tmp_path / "cache", embed_threads=1)
+    built = get_embedder("minilm", config)
+    assert isinstance(built, MiniLM) and built.threads == 1 and built.cache_dir == tmp_path / "cache"
+    assert isinstance(get_embedder("minilm-torch", config), SentenceTransformerMiniLM)
+    with pytest.raises(ProviderError, match="unknown embedder"):
+        get_embedder("nope", config)
+
+
+# -- an OpenAI-compatible /v1/embeddings endpoint: a real llama.cpp server ---------------------
+
+
+@pytest.fixture(scope="module")
+def llama_embeddings() -> Iterator[str]:
+    with LlamaServer(embedding=True) as server:
+        yield server.base_url
+
+
+@pytest.mark.slow
+def test_openai_embedder_against_a_real_llama_cpp_server(llama_embeddings: str,
+                                                         tmp_path: Path) -> None:
+    config = Config(path=tmp_path / "m.db", embedder="openai", embed_base_url=llama_embeddings,
+                    embed_batch_size=1)
+    embedder = get_embedder("openai", config)
+    assert isinstance(embedder, OpenAIEmbedder)
+    texts = ["I like green tea", "I enjoy drinking tea", "The train was late again"]
+    vectors = embedder.embed_batch(texts)
+    assert embedder.model and embedder.dim == vectors.shape[1] == 576  # SmolLM2-135M's width
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    sims = vectors @ vectors.T
+    assert sims[0, 1] > sims[0, 2] and sims[0, 1] > sims[1, 2]  # tea is nearer tea than trains
+    embedder.close()
+    # through Memory: stored and found with the endpoint's vectors
+    with Memory(config=config) as mem:
+        mem.add(texts, user_id="u")
+        assert mem.search("tea", user_id="u", limit=3)
+        assert isinstance(mem.embedder, OpenAIEmbedder)
+        mem.embedder.close()
+
+
+def test_openai_embedder_failures_are_provider_errors(tmp_path: Path) -> None:
+    with pytest.raises(ProviderError, match="ENGRAM_EMBED_BASE_URL"):
+        get_embedder("openai", Config(path=tmp_path / "m.db"))
+    unreachable = OpenAIEmbedder(f"http://127.0.0.1:{free_port()}/v1", model="m", timeout_s=2)
+    with pytest.raises(ProviderError, match="failed"):
+        unreachable.embed_batch(["nobody answers"])
+    unreachable.close()

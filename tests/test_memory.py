@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from engram import (
@@ -27,6 +28,7 @@ from engram import (
     NotFound,
 )
 from engram.model import Scope, utcnow
+from engram.pipeline.index import window_vector
 from engram.store import Query
 
 
@@ -693,10 +695,14 @@ def test_update_of_an_old_turn_reindexes_it_with_its_own_context(mem: Memory) ->
     mem.update(ids[1], text="Her name is Nebula.")
     q = Query(scope=Scope(user_id="u"), now=utcnow())
 
-    def window_hit(text: str) -> tuple[str, float]:
-        return mem.store.dense(q, mem.embedder.embed_batch([text])[0], 1, key="window")[0]
+    def window_hit(*window: str) -> tuple[str, float]:
+        """The memory whose window key is nearest the window of these turns (a window key is
+        made from its turns' vectors: pipeline.index.window_vector)."""
+        words = np.array([len(t.split()) for t in window], dtype=np.float32)
+        vector = window_vector(mem.embedder.embed_batch(list(window)), words)
+        return mem.store.dense(q, vector, 1, key="window")[0]
 
-    mid, cos = window_hit("We adopted a cat.\nHer name is Nebula.")
+    mid, cos = window_hit("We adopted a cat.", "Her name is Nebula.")
     assert mid == ids[1] and cos > 0.999
-    mid, cos = window_hit("We adopted a cat.\nHer name is Nebula.\nShe is grey.")
+    mid, cos = window_hit("We adopted a cat.", "Her name is Nebula.", "She is grey.")
     assert mid == ids[2] and cos > 0.999

@@ -39,6 +39,15 @@ def default_db_path() -> Path:
     return Path.home() / ".engram" / "engram.db"
 
 
+def default_cache_dir() -> Path:
+    """Where engram keeps files it can always rebuild (the embedder's ONNX graph):
+    ENGRAM_CACHE_DIR, else $XDG_CACHE_HOME/engram, else ~/.cache/engram."""
+    if os.environ.get("ENGRAM_CACHE_DIR"):
+        return Path(os.environ["ENGRAM_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "engram"
+
+
 @dataclass(frozen=True)
 class Config:
     path: Path = field(default_factory=default_db_path)
@@ -63,6 +72,15 @@ class Config:
     worker: str = "thread"                  # thread: run background jobs in-process; off: `engram worker`
     job_retries: int = 3                    # extra tries of a failed background job (with backoff)
     reflect_every: int | None = None        # with an LLM: queue a reflection every N episodes of a scope
+
+    # -- Embedders (ENGRAM_EMBED_*, ENGRAM_CACHE_DIR; providers/embedders.py) ---------------------
+    cache_dir: Path = field(default_factory=default_cache_dir)  # the ONNX graph, built once
+    embed_threads: int | None = None        # intra-op threads of the local model; None: cores, max 4
+    embed_base_url: str | None = None       # embedder `openai`: the /v1 endpoint
+    embed_api_key: str | None = field(default=None, repr=False)
+    embed_model: str | None = None          # embedder `openai`: None: the first model listed
+    embed_timeout_s: float = 60.0           # embedder `openai`: per request
+    embed_batch_size: int = 256             # embedder `openai`: texts per request
 
     # -- PostgreSQL tuning (ENGRAM_PG_*; read by store.postgres.PostgresStore.from_config) --------
     # The lock timeout of a PostgreSQL write is `busy_timeout_s` (ENGRAM_BUSY_TIMEOUT).
@@ -201,6 +219,10 @@ class Config:
             ("llm_structured", "ENGRAM_LLM_STRUCTURED"),
             ("worker", "ENGRAM_WORKER"),
             ("redact", "ENGRAM_REDACT"),  # redaction on write
+            ("cache_dir", "ENGRAM_CACHE_DIR"),  # embedders
+            ("embed_base_url", "ENGRAM_EMBED_BASE_URL"),
+            ("embed_api_key", "ENGRAM_EMBED_API_KEY"),
+            ("embed_model", "ENGRAM_EMBED_MODEL"),
         ):
             if env.get(key):
                 values[name] = env[key]
@@ -217,6 +239,9 @@ class Config:
             ("job_retries", "ENGRAM_JOB_RETRIES", int),
             ("reflect_every", "ENGRAM_REFLECT_EVERY", int),
             *cls._pg_env(),  # PostgreSQL tuning
+            ("embed_threads", "ENGRAM_EMBED_THREADS", int),  # embedders
+            ("embed_timeout_s", "ENGRAM_EMBED_TIMEOUT", float),
+            ("embed_batch_size", "ENGRAM_EMBED_BATCH_SIZE", int),
         ):
             if env.get(key):
                 try:
@@ -231,8 +256,9 @@ class Config:
             values["log_level"] = env["ENGRAM_LOG_LEVEL"]
         values.update(cls._trust_env(env))  # encryption and retention
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if "path" in values:
-            values["path"] = Path(values["path"]).expanduser()
+        for name in ("path", "cache_dir"):
+            if name in values:
+                values[name] = Path(values[name]).expanduser()
         return cls(**values).validated()
 
     def validated(self) -> Config:
@@ -261,6 +287,12 @@ class Config:
             raise InvalidInput("job_retries must be >= 0")
         if self.llm_structured not in LLM_STRUCTURED:
             raise InvalidInput(f"llm_structured must be one of {', '.join(LLM_STRUCTURED)}")
+        if self.embed_threads is not None and self.embed_threads < 1:
+            raise InvalidInput("embed_threads must be positive (ENGRAM_EMBED_THREADS)")
+        if self.embed_batch_size < 1:
+            raise InvalidInput("embed_batch_size must be positive (ENGRAM_EMBED_BATCH_SIZE)")
+        if self.embed_timeout_s <= 0:
+            raise InvalidInput("embed_timeout_s must be positive (ENGRAM_EMBED_TIMEOUT)")
         self._pg_validated()  # PostgreSQL tuning
         self._redact_validated()  # redaction on write
         self._trust_validated()  # encryption and retention

@@ -34,7 +34,7 @@ class Engine:
         one is configured)."""
         preset = retrieval or config.retrieval
         return cls(store=store or open_store(config, tenant),
-                   embedder=embedder or get_embedder(config.embedder),
+                   embedder=embedder or get_embedder(config.embedder, config),
                    llm=get_llm(config) if isinstance(llm, Unset) else llm,
                    config=config,
                    retrieval=get_preset(preset) if isinstance(preset, str) else preset)

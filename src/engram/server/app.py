@@ -25,6 +25,7 @@ from .. import Memory, __version__
 from ..config import Config
 from ..errors import EngramError
 from ..providers.embedders import Embedder, get_embedder
+from ..providers.embedders import load as load_embedder
 from . import audit
 from .auth import Authenticator, require_admin
 from .docs import add_docs
@@ -57,7 +58,7 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     answers only requests whose Host and Origin are loopback (see server/local.py)."""
     config = config or Config.from_env()
     limits = limits or ServiceLimits()
-    embedder = embedder or get_embedder(config.embedder)
+    embedder = embedder or get_embedder(config.embedder, config)
     own_keys = auth and keys is None
     key_store = (keys or open_key_store(config)) if auth else None
     tenants = Tenants(config, embedder)
@@ -67,6 +68,9 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The model loads before the first request is served (/ready included): no request
+        # pays for it.
+        await run_in_threadpool(load_embedder, embedder)
         try:
             if mcp_mount is not None:
                 async with mcp_mount.lifespan():
