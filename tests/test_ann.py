@@ -8,6 +8,9 @@ write transaction; the threshold is lowered so that a few hundred keys use the i
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -168,3 +171,17 @@ def test_an_unreadable_saved_index_is_rebuilt(path: Path, filled: dict[str, list
         assert len(store.dense(q("a"), vectors(1, 9)[0], 10)) == 10
     finally:
         store.close()
+
+
+def test_the_index_and_the_embedder_load_in_either_order() -> None:
+    """usearch loaded before onnxruntime used to crash the process (SIGSEGV on import); the
+    index imports onnxruntime first, so a store that builds an index before anything embeds
+    still embeds afterwards. In a fresh process: the order of imports is the point."""
+    code = ("from engram.store.sqlite import ann\n"
+            "assert ann.available()\n"
+            "from engram.providers.embedders import MiniLM\n"
+            "v = MiniLM(threads=1).embed_batch(['the ferry was late'])\n"
+            "assert v.shape == (1, 384)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])

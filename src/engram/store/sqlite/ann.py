@@ -15,6 +15,7 @@ an index (sqlite-vec scans every vector: exact, not approximate, so no faster at
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -25,10 +26,24 @@ import numpy as np
 
 log = logging.getLogger("engram.store")
 
-try:  # the `ann` extra; without it every search is exact
-    from usearch.index import Index
-except ImportError:  # pragma: no cover - exercised where the extra is not installed
-    Index = None
+_index_class: list[Any] = []  # usearch's Index once imported (None: the extra is missing)
+
+
+def _index() -> Any:
+    """usearch's `Index` class, imported on first use (the `ann` extra; without it every search
+    is exact), so opening a store does not load it. onnxruntime, when installed, is imported
+    first: imported after usearch's compiled module, onnxruntime 1.32 crashes the process
+    (SIGSEGV in its pybind module's import, with usearch 2.26); in that order both work
+    (tests/test_ann.py checks it in a fresh process)."""
+    if not _index_class:
+        with contextlib.suppress(ImportError):
+            import onnxruntime  # noqa: F401
+        try:
+            from usearch.index import Index
+        except ImportError:  # pragma: no cover - exercised where the extra is not installed
+            Index = None
+        _index_class.append(Index)
+    return _index_class[0]
 
 CONNECTIVITY = 16       # HNSW's M: links per node
 EXPANSION_ADD = 128     # efConstruction
@@ -37,7 +52,7 @@ MAX_DEAD = 0.25         # rebuild once this share of the indexed keys is dead
 
 
 def available() -> bool:
-    return Index is not None
+    return _index() is not None
 
 
 def file_for(directory: Path, scope_key: tuple[Any, ...]) -> Path:
@@ -58,9 +73,10 @@ class Ann:
     """An HNSW index over the rows of one slab, labelled by key seq."""
 
     def __init__(self, dim: int) -> None:
-        assert Index is not None, "the ann extra (usearch) is not installed"
+        index = _index()
+        assert index is not None, "the ann extra (usearch) is not installed"
         self.dim = dim
-        self.index = Index(ndim=dim, metric="cos", dtype="f16", connectivity=CONNECTIVITY,
+        self.index = index(ndim=dim, metric="cos", dtype="f16", connectivity=CONNECTIVITY,
                            expansion_add=EXPANSION_ADD, expansion_search=EXPANSION_SEARCH)
         self.max_seq = 0  # every live key of the slab up to this seq is in the index
         self.lock = threading.Lock()
@@ -90,7 +106,7 @@ class Ann:
     @classmethod
     def load(cls, path: Path, dim: int) -> Ann | None:
         """A saved index, or None if there is none or it cannot be read."""
-        if Index is None or not path.exists():
+        if not available() or not path.exists():
             return None
         ann = cls(dim)
         try:
