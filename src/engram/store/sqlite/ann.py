@@ -40,9 +40,9 @@ def _index() -> Any:
             import onnxruntime  # noqa: F401
         try:
             from usearch.index import Index
+            _index_class.append(Index)
         except ImportError:  # pragma: no cover - exercised where the extra is not installed
-            Index = None
-        _index_class.append(Index)
+            _index_class.append(None)
     return _index_class[0]
 
 CONNECTIVITY = 16       # HNSW's M: links per node
