@@ -34,6 +34,7 @@ log = logging.getLogger("engram.store")
 
 _INDEX_LOCK = 0x656E6773  # pg_advisory_xact_lock key: one creator of a dimension's HNSW index
 _WRITE_LOCK = 0x656E6774  # ... and one writer per tenant (with hashtext(tenant))
+ANALYZE_AFTER_ROWS = 200  # rows written by a process before its first ANALYZE
 RECLAIM_MODES = {"vacuum": "INDEX_CLEANUP ON", "full": "FULL", "none": ""}
 
 
@@ -78,6 +79,7 @@ class PostgresStore(SQLStore):
         # query but its time, key, dimension): the next one scans at once. Only a hint: an
         # exact scan is never a wrong answer, and it counts what it scans.
         self._small: dict[tuple[Any, ...], bool] = {}
+        self._inserted = self._analyzed_at = 0  # rows this process wrote; at its last ANALYZE
         self._vector: tuple[bytes, str] = (b"", "")  # the last query vector and its literal
         try:
             self._iterative = schema.migrate(self._transaction) >= (0, 8)  # iterative index scans
@@ -168,6 +170,24 @@ class PostgresStore(SQLStore):
                 self._local.conn = None
         self._indexed |= tx.new_dims  # committed: the indexes exist for everyone now
         self._to_vacuum |= tx.erased_from
+        self._analyze_after(tx.inserted)
+
+    def _analyze_after(self, inserted: int) -> None:
+        """Refresh the planner's statistics of the tables a search reads once this process has
+        written as many rows again as at its last refresh (200, 400, 800, ...): before
+        autovacuum's first ANALYZE of a fresh database (its naptime is a minute) the planner
+        takes the tables for empty and joins a scope's keys to its memories by a nested loop,
+        ~40x slower than the hash join it picks with statistics (docs/postgres.md, "Parity").
+        A handful of ANALYZEs per process; autovacuum keeps them fresh after that. Best effort:
+        a role that does not own the tables is skipped by PostgreSQL with a warning."""
+        self._inserted += inserted
+        if inserted <= 0 or self._inserted < max(ANALYZE_AFTER_ROWS, 2 * self._analyzed_at):
+            return
+        self._analyzed_at = self._inserted
+        try:
+            self._batch([("ANALYZE memories, memory_keys", ())], retry=False)
+        except (StoreBusy, StoreUnavailable) as exc:
+            log.debug("ANALYZE skipped: %s", exc)
 
     def for_tenant(self, tenant: str) -> PostgresStore:
         """The store of another tenant of the same database, sharing this one's connections:
@@ -385,6 +405,7 @@ class PgTx(SQLTx):
         self.tenant = store.tenant
         self.new_dims: set[int] = set()
         self.erased_from: set[str] = set()
+        self.inserted = 0  # memories written (see PostgresStore._analyze_after)
 
     def _exec(self, stmt: str, params: Sequence[Any] = ()) -> None:
         self.conn.execute(stmt, params)
@@ -396,6 +417,7 @@ class PgTx(SQLTx):
         return bm25.document(self.store._tokenizer, lexical.body, lexical.previous, record.scope)
 
     def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: Lexical) -> None:
+        self.inserted += 1
         doc = self._document(record, lexical)
         self._exec(*sql.insert_memory(self.tenant, record, doc))
         self._exec(*sql.count_in(self.tenant, doc))
