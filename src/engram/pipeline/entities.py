@@ -641,15 +641,14 @@ def stage(engine: Engine, scope: Scope, names: Sequence[tuple[str, str, Sequence
     by_key: dict[str, str] = {}
     todo = list(names) + [(s, "", ()) for s, *_ in edges] \
         + [(o, "", ()) for _, _, o, *_ in edges if o is not None]
-    wanted = {g.normalise(n) for n, _, _ in todo}
-    embedded = dict(zip(sorted(wanted), engine.embedder.embed_batch(sorted(wanted)), strict=True)) \
-        if wanted else {}
+    wanted = list(dict.fromkeys(n for n, _, _ in todo))  # embedded as `upsert` embeds a name
+    embedded = dict(zip(wanted, engine.embedder.embed_batch(wanted), strict=True)) if wanted else {}
     for name, typ, aliases in todo:
         keys = [g.normalise(a) for a in (name, *aliases)]
         known = next((by_key[k] for k in keys if k in by_key), None)
         if known is None:
             res, found = resolve(engine, scope, name, typ.casefold(), aliases,
-                                 np.asarray(embedded[g.normalise(name)]))
+                                 np.asarray(embedded[name]))
             if res.entity is not None:
                 known = res.entity
                 if known not in out:
@@ -660,7 +659,7 @@ def stage(engine: Engine, scope: Scope, names: Sequence[tuple[str, str, Sequence
                            aliases=tuple(aliases), provenance=provenance, created_at=now,
                            updated_at=now)
             out[fresh.id] = fresh
-            vectors[fresh.id] = np.asarray(embedded[g.normalise(name)])
+            vectors[fresh.id] = np.asarray(embedded[name])
             known = fresh.id
         else:
             old = out[known]
