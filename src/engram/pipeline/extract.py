@@ -53,32 +53,27 @@ class ExtractedFact(BaseModel):
 
 
 class ExtractedEntity(BaseModel):
-    name: str = Field(description="the name as the messages write it, e.g. 'Ana Silva', 'Acme'")
-    type: str = Field(default="", description="person, organisation, place, product, event, ...")
-    aliases: list[str] = Field(default_factory=list,
-                               description="other names the messages use for it")
+    # Descriptions are left to the system prompt: the schema is sent with every request, and
+    # its words are prompt tokens (a small context fills fast).
+    name: str
+    type: str = ""
+    aliases: list[str] = Field(default_factory=list)
 
 
 class ExtractedRelation(BaseModel):
-    subject: str = Field(description="an entity's name")
-    predicate: str = Field(description="snake_case verb phrase: works_at, lives_in, friend_of")
-    object: str = Field(description="an entity's name, or a value (a date, a number, a word)")
-    valid_from: str | None = Field(default=None, description="YYYY-MM-DD it began to hold, "
-                                                             "if the messages say")
-    valid_to: str | None = Field(default=None, description="YYYY-MM-DD it stopped holding, "
-                                                           "if the messages say")
+    subject: str
+    predicate: str
+    object: str
+    valid_from: str | None = None
+    valid_to: str | None = None
 
 
 class Extraction(BaseModel):
     facts: list[ExtractedFact] = Field(description="empty when the messages hold nothing durable")
     # Optional, so a reply without them (an older prompt, a model that ignores them, the
     # reflection task) still parses: the graph is extra, the facts are the point.
-    entities: list[ExtractedEntity] = Field(default_factory=list,
-                                            description="people, organisations, places and "
-                                                        "things the facts are about")
-    relations: list[ExtractedRelation] = Field(default_factory=list,
-                                               description="subject -predicate-> object links "
-                                                           "between them")
+    entities: list[ExtractedEntity] = Field(default_factory=list)
+    relations: list[ExtractedRelation] = Field(default_factory=list)
 
 
 SYSTEM = """You extract long-term memories from a conversation for an assistant's memory.
