@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from conftest import STORES
 from engram import EventType, Kind, Memory
 from engram.config import Config
 from engram.errors import LLMUnavailable
@@ -52,10 +53,13 @@ def graph_script() -> Iterator[ScriptedLLM]:
         del LLMS["test-graph"]
 
 
-@pytest.fixture
-def gm(tmp_path: Path, embedder: MiniLM, graph_script: ScriptedLLM) -> Iterator[Memory]:
-    cfg = Config(path=tmp_path / "m.db", llm="test-graph", llm_retries=0, llm_output_retries=1)
-    with Memory(config=cfg, embedder=embedder) as m:
+@pytest.fixture(params=sorted(STORES))
+def gm(request: pytest.FixtureRequest, tmp_path: Path, embedder: MiniLM,
+       graph_script: ScriptedLLM) -> Iterator[Memory]:
+    """A Memory on each store whose LLM is the scripted one, chosen by configuration."""
+    cfg = Config(path=tmp_path / "unused.db", llm="test-graph", llm_retries=0,
+                 llm_output_retries=1)
+    with Memory(store=STORES[request.param](tmp_path), config=cfg, embedder=embedder) as m:
         assert m.llm is not None and m.llm.name == "scripted"
         yield m
 
