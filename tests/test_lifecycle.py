@@ -60,7 +60,7 @@ def test_extracted_facts_carry_provenance_time_and_origin(smart: Memory, script:
     assert job.valid_from == at("2024-02-29T12:00:00")  # the model's resolved date, not today
     assert tea.valid_from == at("2024-03-01T09:30:00")  # no date: the message's time
     assert job.scope.session_id is None and job.scope.user_id == "ana"  # facts outlive a session
-    assert tea.metadata["origin"] == {"extractor": "scripted:scripted", "prompt": "extract/1",
+    assert tea.metadata["origin"] == {"extractor": "scripted:scripted", "prompt": "extract/2",
                                       "source": "user"}
     sent = script.requests[0].messages[1]["content"]
     assert "2024-03-01 09:30 user: Started at Acme yesterday!" in sent  # the message's own date

@@ -85,7 +85,7 @@ def test_rules_only_from_the_users_own_words(smart: Memory, script: ScriptedLLM)
     kinds = {m.text: m.kind for m in r.memories if m.provenance}
     assert kinds == {BENIGN_RULES[0]: Kind.PROCEDURAL, BENIGN_RULES[1]: Kind.SEMANTIC}
     demoted = next(m for m in r.memories if m.text == BENIGN_RULES[1])
-    assert demoted.metadata["origin"] == {"extractor": "scripted:scripted", "prompt": "extract/1",
+    assert demoted.metadata["origin"] == {"extractor": "scripted:scripted", "prompt": "extract/2",
                                           "source": "tool", "trust": "rule from untrusted source (tool)"}
 
 

@@ -591,3 +591,156 @@ def in_play(engine: Engine, text: str, scope: Scope, limit: int) -> list[tuple[s
                  for r in rels if eid in (r.subject, r.object)][:8]
         out.append((eid, head, "; ".join(([e.summary] if e.summary else []) + facts)))
     return out
+
+
+# -- the graph of an extraction (with an LLM) ----------------------------------------------------
+
+@dataclass(frozen=True)
+class Edge:
+    """One extracted relation with its ends resolved to entity ids (before the write)."""
+
+    subject: str
+    predicate: str
+    object: str | None
+    value: str | None
+    valid_from: datetime | None
+    valid_to: datetime | None
+    fact: str
+
+
+@dataclass(frozen=True)
+class Staged:
+    """The entities and relations of one extraction, resolved before the write transaction
+    (embeddings, the LLM for ambiguous names): `entities` to put (new, or known ones with more
+    aliases and provenance) with the name vectors of the new ones, and the edges to place."""
+
+    scope: Scope
+    entities: dict[str, Entity]
+    vectors: dict[str, np.ndarray]
+    edges: tuple[Edge, ...]
+    provenance: tuple[str, ...]
+    metadata: dict[str, Any]
+    observed_at: datetime          # when an edge with no valid_from starts
+    mentions: tuple[Mention, ...]  # the source episodes that name the entities
+
+
+def stage(engine: Engine, scope: Scope, names: Sequence[tuple[str, str, Sequence[str]]],
+          edges: Sequence[tuple[str, str, str | None, str | None, datetime | None, datetime | None]],
+          episodes: Sequence[MemoryRecord], metadata: Mapping[str, Any]) -> Staged:
+    """Resolve an extraction's entities (name, type, aliases) and the ends of its relations
+    (subject, predicate, object name or None, literal value, valid_from, valid_to), staged
+    like `upsert`: exact keys, rules, then the LLM for what stays ambiguous. Names of the batch
+    that share a key are one entity. `episodes` are the sources (provenance, and mentions
+    where their text names an entity). Runs outside any transaction; `commit` writes the
+    result. Names must be valid already (extraction validates them)."""
+    scope = owner(scope)
+    now = utcnow()
+    provenance = tuple(e.id for e in episodes)
+    out: dict[str, Entity] = {}
+    vectors: dict[str, np.ndarray] = {}
+    by_key: dict[str, str] = {}
+    todo = list(names) + [(s, "", ()) for s, *_ in edges] \
+        + [(o, "", ()) for _, _, o, *_ in edges if o is not None]
+    wanted = list(dict.fromkeys(n for n, _, _ in todo))  # embedded as `upsert` embeds a name
+    embedded = dict(zip(wanted, engine.embedder.embed_batch(wanted), strict=True)) if wanted else {}
+    for name, typ, aliases in todo:
+        keys = [g.normalise(a) for a in (name, *aliases)]
+        known = next((by_key[k] for k in keys if k in by_key), None)
+        if known is None:
+            res, found = resolve(engine, scope, name, typ.casefold(), aliases,
+                                 np.asarray(embedded[name]))
+            if res.entity is not None:
+                known = res.entity
+                if known not in out:
+                    out[known] = found.get(known) or engine.store.read_entities(
+                        EntitySelect(ids=(known,)))[0]
+        if known is None:  # new to the owner and to the batch
+            fresh = Entity(id=new_id(), scope=scope, name=name, type=typ.casefold() or "entity",
+                           aliases=tuple(aliases), provenance=provenance, created_at=now,
+                           updated_at=now)
+            out[fresh.id] = fresh
+            vectors[fresh.id] = np.asarray(embedded[name])
+            known = fresh.id
+        else:
+            old = out[known]
+            extra = [a for a in (name, *aliases)
+                     if g.normalise(a) != g.normalise(old.name)
+                     and g.normalise(a) not in {g.normalise(x) for x in old.aliases}]
+            out[known] = replace(
+                old, aliases=(*old.aliases, *extra),
+                type=typ.casefold() if old.type in g.GENERIC_TYPES and typ else old.type,
+                provenance=tuple(dict.fromkeys((*old.provenance, *provenance))), updated_at=now)
+        for k in [*keys, *(g.normalise(a) for a in out[known].aliases),
+                  g.normalise(out[known].name)]:
+            by_key.setdefault(k, known)
+    placed = []
+    for s, pred, o, value, start, end in edges:
+        subj = out[by_key[g.normalise(s)]]
+        obj = out[by_key[g.normalise(o)]] if o is not None else None
+        placed.append(Edge(subj.id, pred, obj.id if obj else None, value, start, end,
+                           fact_text(subj.name, pred, obj.name if obj else value or "")))
+    mentions = []
+    for ep in episodes:
+        named = {by_key[k] for k in g.ngrams(ep.text) if k in by_key}
+        mentions += [Mention(ep.id, eid, ep.scope, ep.observed_at or ep.valid_from)
+                     for eid in sorted(named)]
+    observed = max((e.observed_at or e.created_at) for e in episodes)
+    return Staged(scope, out, vectors, tuple(placed), provenance, dict(metadata), observed,
+                  tuple(mentions))
+
+
+def commit(engine: Engine, tx: Tx, staged: Staged) -> list[Relation]:
+    """Inside the facts' transaction: write the staged entities, then place each edge on its
+    subject's timeline exactly as `relate` does (a single-valued predicate's current edge is
+    closed, a late value lands before a later one, the same value extends its provenance).
+    Edges of the batch see each other (a reply may say where someone worked, then moved)."""
+    store = engine.store
+    now = utcnow()
+    cfg = engine.config
+    for e in staged.entities.values():
+        tx.put_entity(e, g.name_keys(e.name, e.aliases), staged.vectors.get(e.id))
+    tx.put_mentions(list(staged.mentions))
+    written: dict[str, Relation] = {}
+    out = []
+    for edge in staged.edges:
+        existing = {r.id: r for r in store.read_relations(RelationSelect(
+            staged.scope, subjects=(edge.subject,), predicate=edge.predicate, seen="all"))}
+        existing.update({i: r for i, r in written.items()
+                         if r.subject == edge.subject and r.predicate == edge.predicate})
+        live = [r for r in existing.values() if r.expired_at is None]
+
+        def same(r: Relation, edge: Edge = edge) -> bool:
+            return r.object == edge.object if edge.object is not None else \
+                r.object is None and g.normalise(r.value or "") == g.normalise(edge.value or "")
+
+        start = edge.valid_from or staged.observed_at
+        one = g.single_valued(edge.predicate, single=cfg.graph_single, multi=cfg.graph_multi)
+        spot = g.place(same, start, live, one)
+        if spot.duplicate is not None:
+            dup = spot.duplicate
+            more = tuple(dict.fromkeys((*dup.provenance, *staged.provenance)))
+            if more != dup.provenance:
+                dup = replace(dup, provenance=more)
+                tx.put_relation(dup)
+                written[dup.id] = dup
+            out.append(dup)
+            continue
+        subj = staged.entities[edge.subject]
+        obj = staged.entities.get(edge.object) if edge.object else None
+        rel = Relation(
+            id=new_id(), scope=staged.scope, subject=edge.subject, predicate=edge.predicate,
+            object=edge.object, value=edge.value, fact=edge.fact, created_at=now,
+            valid_from=start, valid_to=edge.valid_to if edge.valid_to is not None else spot.valid_to,
+            provenance=staged.provenance, metadata=dict(staged.metadata),
+            subject_name=subj.name, object_name=obj.name if obj else edge.value or "")
+        for old, end in spot.closes:
+            closed = replace(old, valid_to=end)
+            tx.put_relation(closed)
+            written[closed.id] = closed
+            tx.append(_event(EventType.SUPERSEDE, closed, now, before=old,
+                             reason=f"{edge.predicate} is single-valued: superseded by {rel.id}"))
+        tx.put_relation(rel)
+        written[rel.id] = rel
+        tx.append(_event(EventType.ADD, rel, now, reason="extracted"))
+        out.append(rel)
+    return out

@@ -16,10 +16,21 @@ from datetime import datetime, timedelta
 import numpy as np
 
 from .. import redact as redaction
-from ..errors import ProviderError
-from ..model import AddResult, Event, EventType, Kind, MemoryRecord, Scope, event, new_id, utcnow
+from ..errors import InvalidInput, ProviderError
+from ..model import (
+    AddResult,
+    Event,
+    EventType,
+    Kind,
+    MemoryRecord,
+    Relation,
+    Scope,
+    event,
+    new_id,
+    utcnow,
+)
 from ..store import Query, Tx
-from . import consolidate
+from . import consolidate, entities
 from . import extract as extraction
 from .engine import Engine
 from .index import Keys, index, speaker_text
@@ -50,11 +61,14 @@ class Learned:
 
 
 def learn(engine: Engine, episodes: Sequence[MemoryRecord], scope: Scope, task: extraction.Task,
-          now: datetime, notes: list[str]) -> list[Learned]:
+          now: datetime, notes: list[str],
+          graph: list[entities.Staged] | None = None) -> list[Learned]:
     """Extract candidate memories from `episodes` and decide how each joins what is known.
 
     Runs outside any transaction (it calls the LLM). Failures never lose anything: the
     episodes are stored anyway, and `notes` records why nothing (or less) was learned.
+    With `graph`, the entities and relations the same calls returned are resolved and
+    appended to it, for `apply_graph` to write in the facts' transaction.
     """
     llm = engine.llm
     if llm is None:
@@ -66,6 +80,7 @@ def learn(engine: Engine, episodes: Sequence[MemoryRecord], scope: Scope, task: 
               if r.id not in {e.id for e in episodes}] if task.with_recent else []
     session = store.session(scope) if scope.session_id else None
     found: list[extraction.Candidate] = []
+    drawn: list[tuple[extraction.Graph, Sequence[MemoryRecord]]] = []
     for i in range(0, len(episodes), EXTRACT_BATCH):
         chunk = episodes[i:i + EXTRACT_BATCH]
         try:
@@ -81,10 +96,14 @@ def learn(engine: Engine, episodes: Sequence[MemoryRecord], scope: Scope, task: 
             notes.append(f"{task.name}: left out {len(reply.parsed.facts) - len(got)} "
                          "fragments that were not sentences")
         found += got
+        if graph is not None:
+            drawn.append((extraction.graph(reply.parsed, chunk), chunk))
         recent = list(chunk[-4:])
+    origin = {"extractor": f"{llm.name}:{llm.model}", "prompt": task.version}
+    if graph is not None:
+        graph += stage_graph(engine, scope, drawn, origin, notes)
     if not found:
         return []
-    origin = {"extractor": f"{llm.name}:{llm.model}", "prompt": task.version}
     facts = []
     redacted: dict[str, dict[str, int]] = {}
     for c in found:
@@ -104,6 +123,56 @@ def learn(engine: Engine, episodes: Sequence[MemoryRecord], scope: Scope, task: 
         if done.counts:
             redacted[facts[-1].id] = done.counts
     return consider(engine, facts, index(engine, facts), now, notes, redacted)
+
+
+def stage_graph(engine: Engine, scope: Scope,
+                drawn: Sequence[tuple[extraction.Graph, Sequence[MemoryRecord]]],
+                origin: Mapping[str, str], notes: list[str]) -> list[entities.Staged]:
+    """The entities and relations of each extraction call, resolved against the owner's
+    entities (model time: embeddings, the LLM for ambiguous names), outside any transaction.
+    A name or value that redaction would change holds a secret: that item is left out (a
+    secret is never an entity's name). What is left out is said in `notes`; a failure to
+    resolve loses the graph of that call, never its facts or episodes."""
+    out = []
+    policy = engine.config.redact
+    for found, chunk in drawn:
+        dropped = list(found.dropped)
+
+        def secret(*texts: str | None) -> bool:
+            return any(redaction.redact(t, policy).counts for t in texts if t)
+
+        names = []
+        for e in found.entities:
+            if secret(e.name, *e.aliases):
+                dropped.append(f"entity: holds a secret ({e.type or 'entity'})")
+            else:
+                names.append((e.name, e.type, e.aliases))
+        edges = []
+        for r in found.relations:
+            if secret(r.subject, r.object, r.value):
+                dropped.append(f"relation {r.predicate!r}: holds a secret")
+            else:
+                edges.append((r.subject, r.predicate, r.object, r.value, r.valid_from, r.valid_to))
+        if dropped:
+            notes.append(f"graph: left out {len(dropped)} extracted items ("
+                         + "; ".join(dropped[:3]) + ("; ..." if len(dropped) > 3 else "") + ")")
+            log.info("graph items left out: %s", dropped)
+        if not names and not edges:
+            continue
+        meta = {"origin": {**origin, "source": extraction.source_of(found.source_roles)}}
+        try:
+            out.append(entities.stage(engine, scope, names, edges, chunk, meta))
+        except (ProviderError, InvalidInput) as exc:
+            notes.append(f"graph: entities not resolved ({type(exc).__name__}: {exc}); "
+                         "facts and messages kept")
+            log.warning("graph staging failed: %s", exc)
+    return out
+
+
+def apply_graph(engine: Engine, tx: Tx, staged: Sequence[entities.Staged]) -> list[Relation]:
+    """Inside the facts' transaction: write the staged entities, mentions and relations (an
+    error rolls back the facts with them: nothing half-written)."""
+    return [r for s in staged for r in entities.commit(engine, tx, s)]
 
 
 def consider(engine: Engine, facts: Sequence[MemoryRecord], keys: dict[str, Keys],
@@ -284,9 +353,12 @@ def learn_from(engine: Engine, scope: Scope, task: extraction.Task, limit: int |
     for e in episodes:
         by_scope.setdefault(e.scope, []).append(e)
     notes: list[str] = []
-    learned = [item for s, eps in by_scope.items() for item in learn(engine, eps, s, task, now, notes)]
+    graph: list[entities.Staged] = []
+    learned = [item for s, eps in by_scope.items()
+               for item in learn(engine, eps, s, task, now, notes, graph)]
     with engine.store.write() as tx:
         stored, events = apply(engine, tx, learned, now)
+        apply_graph(engine, tx, graph)
     total = redaction.add_counts(*(item.redacted for item in learned))
     said = redaction.describe(total)
     return AddResult(memories=stored, events=events,

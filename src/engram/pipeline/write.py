@@ -183,9 +183,11 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
     notes: list[str] = []
     learned: list[learn.Learned] = []
     checked: dict[str, learn.Learned] = {}
+    graph: list[entities.Staged] = []  # entities and relations the extraction returned
     if req.kind is Kind.EPISODIC:
         if req.infer:
-            learned = learn.learn(engine, records, req.scope, extraction.EXTRACT, now, notes)
+            learned = learn.learn(engine, records, req.scope, extraction.EXTRACT, now, notes,
+                                  graph)
     elif not req.supersedes:  # the caller said what the fact replaces: nothing to check
         if not req.infer:
             notes.append(NO_CHECK.format(why="infer=False"))
@@ -275,6 +277,7 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
             events.append(ev)
         entities.link(engine, tx, [r for r in stored if r.kind is Kind.EPISODIC], speakers)
         facts, fact_events = learn.apply(engine, tx, learned, now)
+        learn.apply_graph(engine, tx, graph)
         stored += facts
         events += fact_events
         events += evict(engine, tx, req.scope, now)
