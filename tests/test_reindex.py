@@ -5,6 +5,7 @@ deterministic embedder registered like any provider."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -16,13 +17,14 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import StoreFactory
-from engram import EmbeddingMismatch, InvalidInput, Memory, ProviderError
+from engram import AsyncMemory, EmbeddingMismatch, InvalidInput, Memory, ProviderError
 from engram.cli import app
 from engram.config import Config
 from engram.model import Scope
 from engram.pipeline import reindex as reindexing
 from engram.providers import embedders
 from engram.providers.embedders import EMBEDDERS, MiniLM, get_embedder, register_embedder
+from engram.providers.llms import LLM, ScriptedLLM
 from engram.store import Query, Store
 
 TURNS = [
@@ -170,6 +172,9 @@ def test_an_interrupted_reindex_resumes_where_it_stopped(store_factory: StoreFac
         state = mem.store.space()
         assert state is not None and state.space == "all-minilm-l6-v2/384"
         assert state.cursor == sorted(ids)[5]  # two batches finished
+    with _memory(store_factory, tmp_path, Words(64), check_space=False) as mem:
+        assert mem.embedding_space() == {"recorded": "all-minilm-l6-v2/384",
+                                         "configured": "words-64/64", "reindexing": "words-64/64"}
     # half one space, half the other: neither embedder opens it
     for which in (embedder, Words(64)):
         with pytest.raises(EmbeddingMismatch, match="unfinished"):
@@ -212,3 +217,32 @@ def test_engram_reindex_command(tmp_path: Path, words: None,
     found = runner.invoke(app, ["--db", str(db), "--json", "search", "grey cat Miso",
                                 "--user", "ana"])
     assert found.exit_code == 0 and "Miso" in found.output
+
+
+def test_facts_learned_from_an_episode_are_re_embedded_as_its_fact_keys(
+        store_factory: StoreFactory, tmp_path: Path, embedder: MiniLM) -> None:
+    learned = {"facts": [{"text": "Ana's cat is called Miso.", "kind": "semantic",
+                          "importance": 0.7, "date": None, "sources": [1]}]}
+
+    def fill(directory: Path, model: embedders.Embedder) -> None:
+        llm = LLM(ScriptedLLM([learned]), retries=0, output_retries=1)
+        with Memory(store=store_factory(directory), embedder=model, llm=llm) as mem:
+            added = mem.add("I adopted a grey cat called Miso", user_id="ana", session_id="s1")
+            assert len(added.memories) == 2  # the episode and the fact learned from it
+
+    fill(tmp_path, embedder)
+    (tmp_path / "fresh").mkdir()
+    fill(tmp_path / "fresh", Words(64))
+
+    async def move() -> int:
+        async with AsyncMemory(store=store_factory(tmp_path), embedder=Words(64), llm=None,
+                               check_space=False) as mem:
+            return await mem.reindex()
+
+    assert asyncio.run(move()) == 2
+    with _memory(store_factory, tmp_path, Words(64)) as mem, \
+            _memory(store_factory, tmp_path / "fresh", Words(64)) as fresh:
+        q = Words(64).embed_batch(["what is the name of the cat"])[0]
+        moved = _scores(mem.store, q, "fact")
+        assert moved == _scores(fresh.store, q, "fact")
+        assert list(moved) == ["I adopted a grey cat called Miso"]  # the episode's fact key

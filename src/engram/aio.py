@@ -240,6 +240,9 @@ class AsyncMemory:
                    poll_s: float = 0.5) -> int:
         return await _in_thread(self.sync.work, until_idle=until_idle, stop=stop, poll_s=poll_s)
 
+    async def embedding_space(self) -> dict[str, str | None]:
+        return await _in_thread(self.sync.embedding_space)
+
     async def reindex(self, *, user_id: str | None = None, agent_id: str | None = None,
                       progress: Callable[[int, int], None] | None = None) -> int:
         return await _in_thread(self.sync.reindex, user_id=user_id, agent_id=agent_id,

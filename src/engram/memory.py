@@ -480,6 +480,14 @@ class Memory:
         how many ran. Many workers, in many processes, can share one database."""
         return self._queue.work(until_idle=until_idle, stop=stop, poll_s=poll_s)
 
+    def embedding_space(self) -> dict[str, str | None]:
+        """The embedding spaces: `recorded` (the database's vectors'), `configured` (this
+        Memory's embedder's) and `reindexing` (the target of an unfinished reindex, or None)."""
+        state = self.store.space()
+        return {"recorded": state.space if state else None,
+                "configured": reindexing.space(self._engine),
+                "reindexing": reindexing.target(state.pending) if state else None}
+
     def reindex(self, *, user_id: str | None = None, agent_id: str | None = None,
                 progress: Callable[[int, int], None] | None = None) -> int:
         """Re-embed every live memory's retrieval keys (and entity names) with this Memory's

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from .. import Memory
-from ..providers import embedders
 from .base import EXIT_NOT_FOUND, AgentOpt, DbOpt, JsonOpt, UserOpt, config, fail, guard, print_json, state
 
 
@@ -24,11 +23,11 @@ def reindex(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
     with guard():
         mem = Memory(config=config(st), check_space=False)
         try:
-            recorded = mem.store.space()
-            target = embedders.space(mem.embedder)
+            spaces = mem.embedding_space()
+            recorded, target = spaces["recorded"], spaces["configured"]
             if not yes:
-                what = (f"from {recorded.space} into {target}"
-                        if recorded is not None and recorded.space != target else f"in {target}")
+                what = (f"from {recorded} into {target}"
+                        if recorded is not None and recorded != target else f"in {target}")
                 try:
                     ok = click.confirm(f"Re-embed the memories {what}? This runs the model over "
                                        "every memory", err=True)

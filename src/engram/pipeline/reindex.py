@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import EmbeddingMismatch, InvalidInput
 from ..model import Kind, MemoryRecord, Scope
 from ..providers import embedders
-from ..store import EntitySelect, Key, Seen, Select, Space
+from ..store import EntitySelect, Key, Seen, Select, Space, Store
 from . import graph as g
 from .engine import Engine
 from .index import WINDOW, speaker_text, window_vector
@@ -28,6 +28,7 @@ from .index import WINDOW, speaker_text, window_vector
 log = logging.getLogger("engram.reindex")
 
 BATCH = 256  # memories per transaction: one forward pass of a few hundred texts
+FACT_PAGE = 2000  # memories per read while finding what was learned from which episode
 
 Progress = Callable[[int, int], None]
 """Called after each batch with (memories done, memories in total)."""
@@ -38,27 +39,33 @@ def check(engine: Engine) -> Space:
     spaces were recorded: its vectors are taken to be the configured embedder's). Raises
     EmbeddingMismatch when the configured embedder makes another space, or while a reindex
     into another space is unfinished (the database is half one space, half the other)."""
-    configured = embedders.space(engine.embedder)
+    configured = space(engine)
     recorded = engine.store.space()
     if recorded is None:
         with engine.store.write() as tx:
             tx.put_space(Space(configured), first=True)
         recorded = engine.store.space()
         assert recorded is not None
-    target = _target_space(recorded.pending)
-    if recorded.space != configured or (target is not None and target != recorded.space):
-        raise EmbeddingMismatch(recorded.space if target is None
-                                else f"{recorded.space} (reindex into {target} unfinished)",
+    moving = target(recorded.pending)
+    if recorded.space != configured or (moving is not None and moving != recorded.space):
+        raise EmbeddingMismatch(recorded.space if moving is None
+                                else f"{recorded.space} (reindex into {moving} unfinished)",
                                 configured)
     return recorded
 
 
-def _mark(space: str, scope: Scope) -> str:
+def _mark(into: str, scope: Scope) -> str:
     """What `Space.pending` holds during a reindex: its target space and scope."""
-    return json.dumps([space, scope.user_id, scope.agent_id])
+    return json.dumps([into, scope.user_id, scope.agent_id])
 
 
-def _target_space(pending: str | None) -> str | None:
+def space(engine: Engine) -> str:
+    """The embedding space of the engine's embedder."""
+    return embedders.space(engine.embedder)
+
+
+def target(pending: str | None) -> str | None:
+    """The space an unfinished reindex (`Space.pending`) re-embeds into."""
     return str(json.loads(pending)[0]) if pending else None
 
 
@@ -69,7 +76,7 @@ def reindex(engine: Engine, scope: Scope, progress: Progress | None = None) -> i
     scope): a database is one space. Other writers should be stopped meanwhile: one still
     running with the old embedder would write old-space keys."""
     store = engine.store
-    configured = embedders.space(engine.embedder)
+    configured = space(engine)
     recorded = store.space() or Space(configured)
     whole = scope.user_id is None and scope.agent_id is None
     if recorded.space != configured and not whole:
@@ -84,7 +91,7 @@ def reindex(engine: Engine, scope: Scope, progress: Progress | None = None) -> i
     live = Select(scope=scope, seen=Seen.LIVE, order="id")
     total = len(store.read_ids(live))
     done = total - len(store.read_ids(replace(live, after_id=cursor))) if cursor else 0
-    facts = _facts(store.read_memories(replace(live, kinds=(Kind.SEMANTIC, Kind.PROCEDURAL))))
+    facts = _facts(store, live)
     count = 0
     while True:
         ids = store.read_ids(replace(live, after_id=cursor, limit=BATCH))
@@ -112,12 +119,16 @@ def reindex(engine: Engine, scope: Scope, progress: Progress | None = None) -> i
     return count
 
 
-def _facts(facts: Sequence[MemoryRecord]) -> dict[str, list[MemoryRecord]]:
-    """Episode id -> the live facts learned from it: each is a `fact` key of the episode."""
+def _facts(store: Store, live: Select) -> dict[str, list[MemoryRecord]]:
+    """Episode id -> the live memories learned from it (their provenance names it): each is a
+    `fact` key of the episode. Read a page at a time, keeping only those."""
     out: dict[str, list[MemoryRecord]] = {}
-    for fact in facts:
-        for source in fact.provenance:
-            out.setdefault(source, []).append(fact)
+    after = None
+    while page := store.read_memories(replace(live, after_id=after, limit=FACT_PAGE)):
+        for fact in page:
+            for source in fact.provenance:
+                out.setdefault(source, []).append(fact)
+        after = page[-1].id
     return out
 
 
