@@ -246,3 +246,26 @@ def test_facts_learned_from_an_episode_are_re_embedded_as_its_fact_keys(
         moved = _scores(mem.store, q, "fact")
         assert moved == _scores(fresh.store, q, "fact")
         assert list(moved) == ["I adopted a grey cat called Miso"]  # the episode's fact key
+
+
+@pytest.mark.slow
+def test_reindex_into_an_openai_compatible_endpoint(tmp_path: Path, embedder: MiniLM) -> None:
+    """From the bundled model to a real llama.cpp server's `/v1/embeddings`: the space names
+    the endpoint's model and the dimension learned from its first reply."""
+    from llm_server import LlamaServer
+
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=None) as mem:
+        _fill(mem)
+    with LlamaServer(embedding=True) as server:
+        config = Config(path=tmp_path / "m.db", embedder="openai", embed_base_url=server.base_url,
+                        embed_batch_size=1)
+        with pytest.raises(EmbeddingMismatch, match=r"openai:.+/576"):
+            Memory(config=config, llm=None)
+        with Memory(config=config, llm=None, check_space=False) as mem:
+            assert mem.reindex() == 8
+            space = mem.embedding_space()["recorded"]
+            assert space is not None and space.startswith("openai:") and space.endswith("/576")
+            mem.embedder.close()  # type: ignore[attr-defined]
+        with Memory(config=config, llm=None) as mem:
+            assert mem.search("grey cat", user_id="ana", limit=3)
+            mem.embedder.close()  # type: ignore[attr-defined]
