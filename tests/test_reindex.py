@@ -248,6 +248,22 @@ def test_facts_learned_from_an_episode_are_re_embedded_as_its_fact_keys(
         assert list(moved) == ["I adopted a grey cat called Miso"]  # the episode's fact key
 
 
+def test_entity_names_are_re_embedded(store_factory: StoreFactory, tmp_path: Path,
+                                      embedder: MiniLM) -> None:
+    with _memory(store_factory, tmp_path, embedder) as mem:
+        mem.relate("Ana", "lives_in", "Lisbon", user_id="ana")
+        mem.relate("Ana", "sister_of", "Lea", user_id="ana")
+        names = {e.id: e.name for e in mem.entities(user_id="ana")}
+    with _memory(store_factory, tmp_path, Words(64), check_space=False) as mem:
+        mem.reindex()
+    with _memory(store_factory, tmp_path, Words(64)) as mem:
+        vectors = dict(mem.store.entity_embeddings(Scope("ana")))
+        assert set(vectors) == set(names)
+        for eid, vec in vectors.items():  # each name's vector is the new embedder's
+            np.testing.assert_allclose(vec, Words(64).embed_batch([names[eid]])[0], atol=1e-6)
+        assert mem.entities("lisbon", user_id="ana")[0].name == "Lisbon"
+
+
 @pytest.mark.slow
 def test_reindex_into_an_openai_compatible_endpoint(tmp_path: Path, embedder: MiniLM) -> None:
     """From the bundled model to a real llama.cpp server's `/v1/embeddings`: the space names
