@@ -100,6 +100,11 @@ def test_embedders_name_their_space(tmp_path: Path) -> None:
     assert embedders.space(get_embedder("minilm-torch", config)) == "all-minilm-l6-v2/384"
     assert embedders.space(Words(64)) == "words-64/64"  # no `space`: its name and dimension
 
+    class Wrapper:  # e.g. the service's per-tenant view of the shared embedder
+        name, dim, inner = "wrapped", 384, get_embedder("minilm-int8", config)
+
+    assert embedders.space(Wrapper()) == "all-minilm-l6-v2-int8/384"  # type: ignore[arg-type]
+
 
 def test_a_database_records_its_space_on_first_use(store_factory: StoreFactory, tmp_path: Path,
                                                    embedder: MiniLM) -> None:

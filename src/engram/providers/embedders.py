@@ -47,10 +47,16 @@ def space(embedder: Embedder) -> str:
     of two spaces are never mixed: "<model>/<dimension>". Two embedders share a space only if
     their vectors are interchangeable (`minilm` and `minilm-torch`: cosine >= 0.999), never
     when only close (`minilm-int8`: >= 0.98, its own space). An embedder names its model with
-    a `space` attribute; one without is named by its registered `name` and `dim`. A remote
-    embedder that learns its dimension from a reply (`openai`) asks its endpoint once."""
+    a `space` attribute; a wrapper (one with an `inner` embedder: the service's per-tenant view,
+    a test's hook) has the space of what it wraps; any other is named by its `name` and `dim`.
+    A remote embedder that learns its dimension from a reply (`openai`) asks its endpoint once."""
     own = getattr(embedder, "space", None)
-    return str(own) if own else f"{embedder.name}/{embedder.dim}"
+    if own:
+        return str(own)
+    inner = getattr(embedder, "inner", None)
+    if inner is not None and hasattr(inner, "embed_batch"):
+        return space(inner)
+    return f"{embedder.name}/{embedder.dim}"
 
 
 class Batched:
