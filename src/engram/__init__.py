@@ -13,6 +13,7 @@ from .config import Config
 from .context import Context
 from .errors import (
     Conflict,
+    EmbeddingMismatch,
     EncryptionError,
     EngramError,
     InProgress,
@@ -67,6 +68,7 @@ __all__ = [
     "Config",
     "Conflict",
     "Context",
+    "EmbeddingMismatch",
     "EncryptionError",
     "EngramError",
     "Entity",

@@ -56,9 +56,10 @@ class AsyncMemory:
     def __init__(self, path: str | Path | None = None, *, config: Config | None = None,
                  embedder: Embedder | None = None, store: Store | None = None,
                  retrieval: str | RetrievalConfig | None = None,
-                 tenant: str | None = None, llm: LLM | None | Unset = UNSET) -> None:
+                 tenant: str | None = None, llm: LLM | None | Unset = UNSET,
+                 check_space: bool = True) -> None:
         self.sync = Memory(path, config=config, embedder=embedder, store=store,
-                           retrieval=retrieval, tenant=tenant, llm=llm)
+                           retrieval=retrieval, tenant=tenant, llm=llm, check_space=check_space)
 
     async def close(self) -> None:
         await _in_thread(self.sync.close)
@@ -238,6 +239,14 @@ class AsyncMemory:
     async def work(self, *, until_idle: bool = False, stop: threading.Event | None = None,
                    poll_s: float = 0.5) -> int:
         return await _in_thread(self.sync.work, until_idle=until_idle, stop=stop, poll_s=poll_s)
+
+    async def embedding_space(self) -> dict[str, str | None]:
+        return await _in_thread(self.sync.embedding_space)
+
+    async def reindex(self, *, user_id: str | None = None, agent_id: str | None = None,
+                      progress: Callable[[int, int], None] | None = None) -> int:
+        return await _in_thread(self.sync.reindex, user_id=user_id, agent_id=agent_id,
+                                progress=progress)
 
     async def session(self, *, session_id: str | None = None, user_id: str | None = None,
                       agent_id: str | None = None,

@@ -11,8 +11,10 @@
     ├── StoreError            the database failed; the write did not happen
     │   ├── StoreBusy         the database stayed locked past the retry budget
     │   ├── StoreUnavailable  the database cannot be reached (retry later)
-    │   └── EncryptionError   the encryption key is missing or wrong, or the file is not
-    │                         encrypted as configured (retrying will not help)
+    │   ├── EncryptionError   the encryption key is missing or wrong, or the file is not
+    │   │                     encrypted as configured (retrying will not help)
+    │   └── EmbeddingMismatch the database's vectors were made by another embedding model
+    │                         (`engram reindex` re-embeds them)
     └── ProviderError         an embedder / model could not be loaded or failed
         ├── LLMUnavailable    the LLM endpoint could not be reached or kept failing (5xx, 429)
         │   └── LLMTimeout    ... or gave no answer within the timeout
@@ -87,6 +89,21 @@ class EncryptionError(StoreError):
     """The database cannot be opened as configured: encrypted but no key (or the wrong one)
     was given, or a key was given for a plain database (`engram encrypt` converts it). Nothing
     was read or written: a wrong key never shows an empty database."""
+
+
+class EmbeddingMismatch(StoreError):
+    """The database's vectors belong to another embedding space than the configured embedder's
+    (another model, or another dimension): searching or writing would mix the two. Nothing was
+    read or written. `recorded` and `configured` name the two spaces; `engram reindex`
+    (`Memory.reindex`) re-embeds the database with the configured embedder."""
+
+    def __init__(self, recorded: str, configured: str) -> None:
+        super().__init__(
+            f"the database's vectors were embedded in space {recorded!r}, the configured "
+            f"embedder makes {configured!r}: run `engram reindex` to re-embed the database "
+            "with the configured embedder, or configure the embedder it was made with")
+        self.recorded = recorded
+        self.configured = configured
 
 
 class ProviderError(EngramError):

@@ -44,6 +44,7 @@ from .model import (
 )
 from .pipeline import entities, erase, learn, read, retention, write
 from .pipeline import extract as extraction
+from .pipeline import reindex as reindexing
 from .pipeline.engine import Engine
 from .pipeline.retrieve import RetrievalConfig
 from .pipeline.text import content_hash
@@ -61,10 +62,15 @@ class Memory:
     def __init__(self, path: str | Path | None = None, *, config: Config | None = None,
                  embedder: Embedder | None = None, store: Store | None = None,
                  retrieval: str | RetrievalConfig | None = None,
-                 tenant: str | None = None, llm: LLM | None | Unset = UNSET) -> None:
+                 tenant: str | None = None, llm: LLM | None | Unset = UNSET,
+                 check_space: bool = True) -> None:
         """The parts not given come from `config` (default: `Config.from_env(path=path)`);
         `llm=None` turns the LLM off even if one is configured. `tenant` isolates a service
-        tenant's data (see `store.open_store`); libraries and single-user apps leave it None."""
+        tenant's data (see `store.open_store`); libraries and single-user apps leave it None.
+
+        A database records the embedding space of its vectors on first use; one recorded with
+        another space raises `EmbeddingMismatch`. `check_space=False` opens it anyway, only
+        to `reindex()` it (searches before that compare vectors of two spaces)."""
         config = config or Config.from_env(path=path)
         if config.log_level:
             logs.configure(config.log_level)
@@ -73,6 +79,12 @@ class Memory:
         self.tenant = tenant
         self._engine = Engine.build(config, store=store, embedder=embedder, llm=llm,
                                     retrieval=retrieval, tenant=tenant)
+        if check_space:
+            try:
+                reindexing.check(self._engine)
+            except BaseException:
+                self._engine.store.close()
+                raise
         self._queue = jobs.Queue(self._engine)
         self._queue.retention = config.retention(tenant)  # enforced by the worker
         self._sessions: weakref.WeakSet[SessionHandle] = weakref.WeakSet()
@@ -467,6 +479,26 @@ class Memory:
         """Run queued jobs (this is what `engram worker` and the in-process worker do); returns
         how many ran. Many workers, in many processes, can share one database."""
         return self._queue.work(until_idle=until_idle, stop=stop, poll_s=poll_s)
+
+    def embedding_space(self) -> dict[str, str | None]:
+        """The embedding spaces: `recorded` (the database's vectors'), `configured` (this
+        Memory's embedder's) and `reindexing` (the target of an unfinished reindex, or None)."""
+        state = self.store.space()
+        return {"recorded": state.space if state else None,
+                "configured": reindexing.space(self._engine),
+                "reindexing": reindexing.target(state.pending) if state else None}
+
+    def reindex(self, *, user_id: str | None = None, agent_id: str | None = None,
+                progress: Callable[[int, int], None] | None = None) -> int:
+        """Re-embed every live memory's retrieval keys (and entity names) with this Memory's
+        embedder, a batch per transaction, then record its embedding space; returns how many
+        memories were re-embedded. Resumable: after an interruption the same call continues
+        after the last finished batch. Moving to another embedding space (a Memory opened with
+        `check_space=False`) takes the whole database; a scope (`user_id` / `agent_id`) can be
+        re-embedded in the same space. `progress(done, total)` is called after each batch.
+        Stop other writers first: one still using the old embedder would write old keys."""
+        scope = valid.scope(user_id, agent_id, None)
+        return reindexing.reindex(self._engine, scope, progress)
 
     # -- working memory: sessions and context (working/, context.py) -------------------------
 

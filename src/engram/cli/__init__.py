@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from . import chat, demo, graph, jobs, memories, service, sessions, transfer, trust
+from . import chat, demo, graph, jobs, memories, reindex, service, sessions, transfer, trust
 from .base import DbOpt, JsonOpt, State
 
 __all__ = ["app"]
@@ -58,6 +58,7 @@ app.command()(jobs.worker)
 app.command()(jobs.jobs)
 app.command()(jobs.retry)
 app.command()(memories.reflect)
+app.command()(reindex.reindex)  # a new embedder: re-embed the database (cli/reindex.py)
 app.command()(graph.entities)  # the knowledge graph (cli/graph.py)
 app.command()(graph.entity)
 app.command()(graph.relations)

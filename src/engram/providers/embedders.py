@@ -42,6 +42,23 @@ class Embedder(Protocol):
         """Unit-length float32 vectors, one row per text."""
 
 
+def space(embedder: Embedder) -> str:
+    """The embedding space `embedder`'s vectors live in, recorded per database so that vectors
+    of two spaces are never mixed: "<model>/<dimension>". Two embedders share a space only if
+    their vectors are interchangeable (`minilm` and `minilm-torch`: cosine >= 0.999), never
+    when only close (`minilm-int8`: >= 0.98, its own space). An embedder names its model with
+    a `space` attribute; a wrapper (one with an `inner` embedder: the service's per-tenant view,
+    a test's hook) has the space of what it wraps; any other is named by its `name` and `dim`.
+    A remote embedder that learns its dimension from a reply (`openai`) asks its endpoint once."""
+    own = getattr(embedder, "space", None)
+    if own:
+        return str(own)
+    inner = getattr(embedder, "inner", None)
+    if inner is not None and hasattr(inner, "embed_batch"):
+        return space(inner)
+    return f"{embedder.name}/{embedder.dim}"
+
+
 class Batched:
     """What every model-backed embedder shares, around one method (`_encode`):
 
@@ -157,6 +174,10 @@ class MiniLM(Batched):
     dim = 384
     max_tokens = 256
 
+    @property
+    def space(self) -> str:
+        return f"all-minilm-l6-v2{'-int8' if self.int8 else ''}/{self.dim}"
+
     def __init__(self, cache_dir: Path | None = None, threads: int | None = None,
                  batch_tokens: int = 4096, int8: bool = False) -> None:
         super().__init__()
@@ -251,6 +272,7 @@ class SentenceTransformerMiniLM(Batched):
 
     name = "minilm-torch"
     dim = 384
+    space = "all-minilm-l6-v2/384"  # the same vectors as `minilm` (cosine >= 0.999)
 
     def __init__(self, batch_size: int = 64, device: str = "cpu") -> None:
         super().__init__()
@@ -336,6 +358,14 @@ class OpenAIEmbedder(Batched):
 
     def load(self) -> None:
         self._load()
+
+    @property
+    def space(self) -> str:
+        """"openai:<model>/<dim>": the model (the endpoint's first, when not configured) and
+        the dimension are learned from the endpoint, with one call the first time."""
+        if not self.dim:
+            self.embed_batch(["the dimension of this model"])
+        return f"openai:{self.model}/{self.dim}"
 
     def close(self) -> None:
         """Close the HTTP connections (the next call opens new ones)."""

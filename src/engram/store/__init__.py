@@ -16,6 +16,7 @@ from .base import (
     RelationSelect,
     Seen,
     Select,
+    Space,
     Stats,
     Store,
     StoreBase,
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from .postgres import PostgresStore
 
 __all__ = ["Candidate", "EntitySelect", "RelationSelect",
-           "Key", "Lexical", "Query", "SQLiteStore", "Seen", "Select", "Stats", "Store",
+           "Key", "Lexical", "Query", "SQLiteStore", "Seen", "Select", "Space", "Stats", "Store",
            "StoreBase", "Stores", "Tx", "open_store"]
 
 

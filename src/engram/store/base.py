@@ -9,11 +9,12 @@ A backend implements 17 primitives (`write`, `close`, `migrations`, `read_memori
 `read_ids`, `candidates`, `dense`, `lexical`, `events`, `events_of`, `count_events`,
 `read_jobs`, `claim_job`, `read_sessions`, `stats`, `touch`, `reclaim`) and 8 of the knowledge
 graph (`read_entities`, `match_names`, `entity_embeddings`, `read_relations`, `read_mentions`,
-`mention_counts`, `neighbours`, `find_path`), and inherits 14 conveniences from `StoreBase`
-(`pool`, `get`, `select`, `ids`, `find_hash`, `recent_episodes`, `episodes_around`,
-`eviction_pool`, `iter_export`, `job`, `job_by_key`, `jobs`, `session`, `sessions`; a backend
-may override one, as PostgreSQL does `pool`). Its `Tx` implements the fifteen writes of `Tx`
-(ten of memories, jobs and sessions; five of the graph).
+`mention_counts`, `neighbours`, `find_path`) and `space` (the embedding space), and inherits
+14 conveniences from `StoreBase` (`pool`, `get`, `select`, `ids`, `find_hash`,
+`recent_episodes`, `episodes_around`, `eviction_pool`, `iter_export`, `job`, `job_by_key`,
+`jobs`, `session`, `sessions`; a backend may override one, as PostgreSQL does `pool`). Its
+`Tx` implements the fifteen writes of `Tx` (ten of memories, jobs and sessions; five of the
+graph) and `put_space`.
 """
 
 from __future__ import annotations
@@ -112,6 +113,17 @@ class Key:
 
     name: str  # text | window | fact
     vector: np.ndarray
+
+
+@dataclass(frozen=True)
+class Space:
+    """The embedding space a database's vectors belong to (`embedders.space`), and an
+    unfinished reindex: `pending` names the space (and scope) it re-embeds into, `cursor` the
+    last memory id it finished."""
+
+    space: str
+    pending: str | None = None
+    cursor: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +262,10 @@ class Tx(Protocol):
 
     def drop_mentions(self, episode_ids: Sequence[str]) -> None:
         """Forget that these episodes mention anything (they are being erased)."""
+
+    def put_space(self, space: Space, *, first: bool = False) -> None:
+        """Record the embedding space (and the reindex progress); `first`: only if none is
+        recorded yet (two processes opening an empty database: the first one wins)."""
 
 
 class Store(Protocol):
@@ -396,6 +412,9 @@ class Store(Protocol):
         hops over the relations between entities that hold at `at` (current ones when not
         `as_of`), in either direction."""
 
+    def space(self) -> Space | None:
+        """The recorded embedding space of this database (tenant), None before the first."""
+
     def find_path(self, scope: Scope, a: str, b: str, max_depth: int, at: datetime,
              as_of: bool = False) -> list[str] | None:
         """The relation ids of a shortest path from entity `a` to `b` (either direction), or
@@ -499,6 +518,9 @@ class StoreBase(ABC):
     @abstractmethod
     def find_path(self, scope: Scope, a: str, b: str, max_depth: int, at: datetime,
              as_of: bool = False) -> list[str] | None: ...
+
+    @abstractmethod
+    def space(self) -> Space | None: ...
 
     # -- conveniences --------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import Conflict
-from ..model import Entity, Event, Job, MemoryRecord, Mention, Relation, Scope, Session
+from ..model import Entity, Event, Job, MemoryRecord, Mention, Relation, Scope, Session, utcnow
 from . import graph as g
 from . import records as r
 from .base import (
@@ -28,6 +28,7 @@ from .base import (
     RelationSelect,
     Seen,
     Select,
+    Space,
     Stats,
     StoreBase,
     job_counts,
@@ -121,6 +122,12 @@ class SQLStore(StoreBase):
                      superseded=int(superseded), expired=int(expired), events=int(events),
                      scopes=int(scopes), jobs=job_counts(jobs), db_bytes=size)
 
+
+    def space(self) -> Space | None:
+        m = self.dialect.mark
+        rows = self._read(f"SELECT space, pending, cursor FROM embedding_space WHERE tenant = {m}",
+                          [self.tenant])
+        return Space(*rows[0]) if rows else None
 
     # -- the knowledge graph (store/graph.py) ------------------------------------------------
 
@@ -218,6 +225,15 @@ class SQLTx:
     def erase_scope(self, scope: Scope) -> None:
         for stmt in r.erase_scope(self.dialect, self.tenant, scope):
             self._exec(*stmt)
+
+    def put_space(self, space: Space, *, first: bool = False) -> None:
+        d = self.dialect
+        update = ("DO NOTHING" if first else "DO UPDATE SET space = excluded.space, "
+                  "pending = excluded.pending, cursor = excluded.cursor, "
+                  "updated_at = excluded.updated_at")
+        self._exec(f"INSERT INTO embedding_space (tenant, space, pending, cursor, updated_at) "
+                   f"VALUES ({d.marks(5)}) ON CONFLICT (tenant) {update}",
+                   [self.tenant, space.space, space.pending, space.cursor, d.time(utcnow())])
 
     # -- the knowledge graph (store/graph.py) ------------------------------------------------
 

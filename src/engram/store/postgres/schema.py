@@ -29,7 +29,7 @@ MAX_INDEXED_DIM = 2000  # pgvector's HNSW limit for `vector`; wider keys are sea
 
 # Tables whose rows belong to a tenant: each gets the tenant policy below.
 TENANT_TABLES = ("memories", "memory_keys", "events", "meta", "jobs", "sessions", "lex_stats",
-                 "lex_terms", "entities", "entity_names", "relations", "mentions")
+                 "lex_terms", "entities", "entity_names", "relations", "mentions", "embedding_space")
 _GRAPH_TABLES = ("entities", "entity_names", "relations", "mentions")
 _TENANT_TABLES_0001 = ("memories", "memory_keys", "events", "meta", "jobs", "sessions")
 
@@ -244,6 +244,14 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
             PRIMARY KEY (tenant, episode_id, entity_id))""",
         "CREATE INDEX mentions_entity ON mentions (tenant, entity_id, at)",
         *[stmt for table in _GRAPH_TABLES for stmt in _tenant_policy(table)],
+    ]),
+    # The embedding space of each tenant's vectors, and its unfinished reindex (sqlite/schema.py).
+    ("0004_embedding_space", [
+        f"""CREATE TABLE embedding_space (
+            tenant {TEXT} PRIMARY KEY,
+            space text NOT NULL, pending text, cursor {TEXT},
+            updated_at timestamptz NOT NULL)""",
+        *_tenant_policy("embedding_space"),
     ]),
 ]
 

@@ -136,6 +136,17 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             PRIMARY KEY (episode_id, entity_id))""",
         "CREATE INDEX mentions_entity ON mentions(entity_id, at)",
     ]),
+    # The embedding space the stored vectors belong to (engram.providers.embedders.space),
+    # recorded on first use: a Memory whose embedder makes another space refuses to open
+    # instead of mixing vectors. `pending` / `cursor`: an unfinished `reindex` (its target
+    # space and the last memory id it re-embedded), so a restart continues where it stopped.
+    # One row per tenant ('' here), as on PostgreSQL, so both share the statements.
+    ("0004_embedding_space", [
+        """CREATE TABLE embedding_space (
+            tenant TEXT PRIMARY KEY,
+            space TEXT NOT NULL, pending TEXT, cursor TEXT,
+            updated_at REAL NOT NULL)""",
+    ]),
 ]
 
 
