@@ -32,7 +32,8 @@ from server_kit import serve_in_thread
 
 TOOLS = {"remember", "recall", "forget", "list_memories", "get_context", "create_entities",
          "create_relations", "add_observations", "delete_entities", "delete_observations",
-         "delete_relations", "read_graph", "search_nodes", "open_nodes"}
+         "delete_relations", "read_graph", "search_nodes", "open_nodes",
+         "entity", "relations", "neighbours"}
 TIMEOUT = 180  # seconds for a subprocess to load torch and the model on a busy 2-core machine
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
              "OMP_NUM_THREADS": "1"}  # one thread: the machine is shared

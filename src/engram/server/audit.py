@@ -181,7 +181,8 @@ def scope_of(query: bytes, body: bytes) -> dict[str, str | None]:
     if body and not any(found.values()):
         try:
             data = json.loads(body)
-        except ValueError:  # not JSON, or cut at the scan limit
+        except (ValueError, RecursionError):  # not JSON, cut at the scan limit, or nested
+            # deeper than the parser goes (the route answers 422 for that)
             data = None
         if isinstance(data, dict):
             for name in SCOPE_FIELDS:
