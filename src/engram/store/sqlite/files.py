@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -56,14 +57,23 @@ def backup(src: Path, dest: Path, key: str | None) -> int:
         for p in sidecars(partial):
             p.unlink(missing_ok=True)
         raise StoreError(f"backup of {src} failed: {exc}") from exc
+    _put_in_place(partial, dest, key, f"the backup of {src}")
+    return dest.stat().st_size
+
+
+def _put_in_place(partial: Path, dest: Path, key: str | None, what: str,
+                  before: Callable[[], None] = lambda: None) -> None:
+    """Move a finished copy over `dest` once it passes `integrity_check`: private (0600),
+    flushed, renamed in one step, and the rename flushed, so a crash leaves the old file or
+    the new one, never half of either. `before` runs just before the rename."""
     problems = integrity(partial, key)
     if problems:
-        raise StoreError(f"the backup of {src} failed its integrity check: {problems[:3]}")
+        raise StoreError(f"{what} failed its integrity check: {problems[:3]}")
     os.chmod(partial, 0o600)
     _fsync(partial)
+    before()
     os.replace(partial, dest)
     _fsync(dest.parent)
-    return dest.stat().st_size
 
 
 def restore(src: Path, dest: Path, key: str | None) -> Path | None:
@@ -122,15 +132,11 @@ def encrypt(path: Path, key: str) -> Path:
         for p in sidecars(partial):
             p.unlink(missing_ok=True)
         raise StoreError(f"encrypting {path} failed (the database is unchanged): {exc}") from exc
-    problems = integrity(partial, key)
-    if problems:
-        raise StoreError(f"encrypting {path}: the copy failed its integrity check: {problems[:3]}")
-    os.chmod(partial, 0o600)
-    _fsync(partial)
-    for p in sidecars(path)[1:]:  # the plain WAL and shm (empty after the checkpoint)
-        p.unlink(missing_ok=True)
-    os.replace(partial, path)
-    _fsync(path.parent)
+    def drop_plain_sidecars() -> None:  # the plain WAL and shm (empty after the checkpoint)
+        for p in sidecars(path)[1:]:
+            p.unlink(missing_ok=True)
+
+    _put_in_place(partial, path, key, f"encrypting {path}: the copy", drop_plain_sidecars)
     return saved
 
 
