@@ -180,9 +180,7 @@ def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None =
                 gold_sessions = {g.split(":")[0] for g in gold}
                 session_hit1.append(float(bool(ranked) and ranked[0].split(":")[0] in gold_sessions))
         mem.close()
-    lat = sorted(latencies)
-    rest = sorted(t - e for t, e in zip(latencies, embedding, strict=True))
-    emb = sorted(embedding)
+    after = [t - e for t, e in zip(latencies, embedding, strict=True)]
     stats = llm.stats() if llm else None
     return {
         "store": "postgres" if database_url else "sqlite",
@@ -194,13 +192,19 @@ def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None =
         "recall": {k: {str(c): statistics.mean(v) for c, v in per.items()} for k, per in recall.items()},
         "session_hit@1": statistics.mean(session_hit1),
         "ingest_per_s": ingested / ingest_s if ingested else None,
-        "search_p50_ms": 1000 * lat[len(lat) // 2],
-        "search_p95_ms": 1000 * lat[int(len(lat) * 0.95)],
-        "search_after_embedding_p50_ms": 1000 * rest[len(rest) // 2],
-        "search_after_embedding_p95_ms": 1000 * rest[int(len(rest) * 0.95)],
-        "query_embedding_p50_ms": 1000 * emb[len(emb) // 2],
-        "query_embedding_p95_ms": 1000 * emb[int(len(emb) * 0.95)],
+        **latencies_ms(latencies, embedding, after),
     }
+
+
+def latencies_ms(search: list[float], embedding: list[float], after: list[float]) -> dict[str, float]:
+    """p50 / p95 in ms of whole searches, of their query embedding and of what comes after it."""
+    out = {}
+    for name, seconds in (("search", search), ("query_embedding", embedding),
+                          ("search_after_embedding", after)):
+        ordered = sorted(seconds)
+        out[f"{name}_p50_ms"] = 1000 * ordered[len(ordered) // 2]
+        out[f"{name}_p95_ms"] = 1000 * ordered[int(len(ordered) * 0.95)]
+    return out
 
 
 def report(res: dict) -> str:

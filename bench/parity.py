@@ -96,7 +96,6 @@ class Tally:
         self.session_hit1.append(float(bool(ranked) and ranked[0].split(":")[0] in gold_sessions))
 
     def result(self, store: str, preset: str) -> dict[str, Any]:
-        lat, rest, emb = sorted(self.latencies), sorted(self.unembedded), sorted(self.embedding)
         return {
             "store": store, "preset": preset, "facts": "none", "llm_calls_per_message": 0.0,
             "llm_tokens_per_message": 0.0, "questions": len(self.recall[10]["all"]),
@@ -104,12 +103,7 @@ class Tally:
                        for k, per in self.recall.items()},
             "session_hit@1": statistics.mean(self.session_hit1),
             "ingest_per_s": self.ingested / self.ingest_s,
-            "search_p50_ms": 1000 * lat[len(lat) // 2],
-            "search_p95_ms": 1000 * lat[int(len(lat) * 0.95)],
-            "search_after_embedding_p50_ms": 1000 * rest[len(rest) // 2],
-            "search_after_embedding_p95_ms": 1000 * rest[int(len(rest) * 0.95)],
-            "query_embedding_p50_ms": 1000 * emb[len(emb) // 2],
-            "query_embedding_p95_ms": 1000 * emb[int(len(emb) * 0.95)],
+            **locomo.latencies_ms(self.latencies, self.embedding, self.unembedded),
         }
 
 
