@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -385,6 +386,102 @@ def test_a_row_locked_past_the_busy_timeout_is_store_busy(db: str) -> None:
         store.close()
 
 
+# -- the dense cache (a scope's keys in process, followed by version numbers) ----------------------
+
+def _search(store: PostgresStore, probe: np.ndarray, k: int = 10, **kw: Any) -> list[tuple[str, float]]:
+    return store.pool(q(Scope("u1"), **kw), k, vector=probe, keys=["text"], terms=[])["text"]
+
+
+def test_the_dense_cache_follows_writes_of_another_process(db: str) -> None:
+    """Two stores on one database stand for two processes: what one writes, deletes, changes
+    and erases, the other's cache sees at its next search, with the same hits and scores as a
+    search in the database (`cache_limit=0`)."""
+    writer, cached, tables = (PostgresStore(db), PostgresStore(db), PostgresStore(db, cache_limit=0))
+    try:
+        rng = np.random.default_rng(3)
+        vectors = rng.normal(size=(40, 8)).astype(np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        records = [rec(f"note {i}", kind=Kind.SEMANTIC if i % 4 else Kind.EPISODIC) for i in range(40)]
+        put(writer, *records[:30], vectors=list(vectors[:30]))
+        first, late = vectors[0], vectors[35]  # unit vectors, as embedders give
+
+        def same(probe: np.ndarray, **kw: Any) -> list[str]:
+            got, want = _search(cached, probe, **kw), _search(tables, probe, **kw)
+            assert [m for m, _ in got] == [m for m, _ in want]
+            assert np.allclose([s for _, s in got], [s for _, s in want], atol=1e-6)
+            return [m for m, _ in got]
+
+        assert same(first)[0] == records[0].id
+        assert cached._slabs  # it was answered from the cache
+        put(writer, *records[30:], vectors=list(vectors[30:]))  # new keys
+        assert same(late)[0] == records[35].id
+        with writer.write() as tx:  # a delete leaves a tombstone
+            tx.soft_delete([records[0].id], NOW)
+        assert records[0].id not in same(first)
+        with writer.write() as tx:  # an erase cascades to the keys: cleared in the cache too
+            tx.erase([records[35].id])
+        assert records[35].id not in same(late)
+        slab = cached._slabs[cached._slab_key(Scope("u1"), "text")]
+        assert records[35].id not in {c.id for c in slab.cands if c is not None}
+        episodic = {r.id for r in records if r.kind is Kind.EPISODIC}
+        assert set(same(first, kinds=(Kind.EPISODIC,))) == episodic - {records[0].id, records[35].id}
+        # a changed row reloads the ranking fields the cache holds
+        changed = replace(records[1], text="note one, rewritten", importance=0.9)
+        with writer.write() as tx:
+            tx.update(changed)
+        same(first)
+        got = cached.candidates([records[1].id], q(Scope("u1")))[records[1].id]
+        assert (got.text, got.importance) == ("note one, rewritten", 0.9)
+        # metadata conditions are checked by the database
+        assert same(first, conditions=parse_filters({"name": "nobody"})) == []
+    finally:
+        for s in (writer, cached, tables):
+            s.close()
+
+
+def test_a_scope_larger_than_the_cache_limit_is_searched_in_the_database(db: str) -> None:
+    store, tables = PostgresStore(db, cache_limit=12), PostgresStore(db, cache_limit=0)
+    try:
+        rng = np.random.default_rng(5)
+        vectors = rng.normal(size=(20, 8)).astype(np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        records = [rec(f"item {i}") for i in range(20)]
+        put(store, *records[:10], vectors=list(vectors[:10]))
+        ids = [m for m, _ in _search(tables, vectors[2])]
+        assert [m for m, _ in _search(store, vectors[2])] == ids
+        assert store._slabs and not store._large
+        put(store, *records[10:], vectors=list(vectors[10:]))  # it grows past the limit
+        assert _search(store, vectors[15]) == _search(tables, vectors[15])  # both in the database
+        assert store._large and not store._slabs
+    finally:
+        store.close()
+        tables.close()
+
+
+def test_a_warm_search_makes_two_round_trips(db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The versions and BM25 in one, the hits' records and their access counts in the other."""
+    config = Config.from_env(database_url=db, path=Path(tempfile.mkdtemp()) / "unused.db")
+    with Memory(config=config) as mem:
+        mem.add(["Ana moved to Lisbon in May.", "Ben plays the cello.", "Ana likes jazz."],
+                user_id="ana", infer=False)
+        mem.search("where does Ana live?", user_id="ana")  # loads the cache
+        calls: list[int] = []
+        real = PostgresStore._batch
+
+        def counted(self: PostgresStore, statements: Any, **kw: Any) -> Any:
+            calls.append(len(statements))
+            return real(self, statements, **kw)
+
+        monkeypatch.setattr(PostgresStore, "_batch", counted)
+        hits = mem.search("where does Ana live?", user_id="ana")
+        assert hits[0].memory.text == "Ana moved to Lisbon in May."
+        assert len(calls) == 2
+        # each search counts an access; a hit shows the record as it was before it
+        again = mem.search("where does Ana live?", user_id="ana")
+        assert again[0].memory.access_count == hits[0].memory.access_count + 1
+        assert mem.get(hits[0].memory.id).access_count == again[0].memory.access_count + 1
+
+
 # -- dense search through the HNSW index -------------------------------------------------------
 
 def test_dense_uses_the_hnsw_index_beyond_the_exact_limit(db: str, caplog: pytest.LogCaptureFixture) -> None:
@@ -393,7 +490,7 @@ def test_dense_uses_the_hnsw_index_beyond_the_exact_limit(db: str, caplog: pytes
     vectors = rng.normal(size=(n, dim)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     records = [rec(f"point {i}", kind=Kind.SEMANTIC if i % 10 else Kind.PROCEDURAL) for i in range(n)]
-    store = PostgresStore(db, exact_limit=30)
+    store = PostgresStore(db, exact_limit=30, cache_limit=0)  # searched in the database
     try:
         with store.write() as tx:
             for r, v in zip(records, vectors, strict=True):
@@ -439,7 +536,7 @@ def test_a_scope_that_grows_past_the_exact_limit_moves_to_the_index(
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     records = [rec(f"point {i}") for i in range(80)]
     probe = vectors[3]
-    store = PostgresStore(db, exact_limit=30)
+    store = PostgresStore(db, exact_limit=30, cache_limit=0)  # searched in the database
     try:
         def search(upto: int) -> list[str]:
             caplog.clear()

@@ -59,7 +59,7 @@ class Config:
     max_text_chars: int = 32_000            # longer texts are refused, not truncated
     max_memories_per_scope: int | None = None  # capacity; None means unbounded
     busy_timeout_s: float = 30.0            # how long a writer waits for another's lock
-    ann_threshold: int = 20_000             # SQLite: dense search is exact up to this many keys, HNSW above
+    ann_threshold: int = 20_000             # a scope of up to this many keys is searched in process, exactly
     log_level: str | None = None            # None leaves `engram` logging unconfigured
     llm: str = "openai"                     # name of a registered LLM provider (providers.llms)
     llm_base_url: str | None = None         # None: no LLM; every feature takes its no-LLM path

@@ -71,9 +71,8 @@ def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray |
 def search(engine: Engine, text: str, q: Query, limit: int) -> list[Hit]:
     """The best `limit` hits for `text`, each explaining its score; counts an access."""
     best = ranked(engine, text, q, limit)
-    records = engine.store.get([mid for mid, _, _ in best])
-    hits = [Hit(records[mid], score, explain) for mid, score, explain in best]
-    engine.store.touch([h.memory.id for h in hits], q.now)
+    records = engine.store.access([mid for mid, _, _ in best], q.now)
+    hits = [Hit(records[mid], score, explain) for mid, score, explain in best if mid in records]
     if log.isEnabledFor(logging.DEBUG):
         said = redact(text, engine.config.redact).text  # the query is not redacted; its log line is
         for h in hits:

@@ -353,6 +353,10 @@ class Store(Protocol):
     def touch(self, ids: Sequence[str], at: datetime) -> None:
         """Best effort: count an access (never blocks on a busy database)."""
 
+    def access(self, ids: Sequence[str], at: datetime) -> dict[str, MemoryRecord]:
+        """`get` and then `touch` what it found: the records as they were before this access
+        (a search's hits), in one round trip where the backend can."""
+
     def stats(self, scope: Scope, now: datetime) -> Stats: ...
 
     def iter_export(self, scope: Scope) -> Iterator[tuple[MemoryRecord, list[Event]]]: ...
@@ -538,6 +542,11 @@ class StoreBase(ABC):
             return {}
         found = self.read_memories(Select(ids=tuple(ids), seen=Seen.ALL, order=None))
         return {r.id: r for r in found}
+
+    def access(self, ids: Sequence[str], at: datetime) -> dict[str, MemoryRecord]:
+        found = self.get(ids)
+        self.touch(list(found), at)
+        return found
 
     def select(self, query: Query, *, after_id: str | None = None,
                limit: int = 50) -> list[MemoryRecord]:

@@ -29,8 +29,13 @@ MAX_INDEXED_DIM = 2000  # pgvector's HNSW limit for `vector`; wider keys are sea
 
 # Tables whose rows belong to a tenant: each gets the tenant policy below.
 TENANT_TABLES = ("memories", "memory_keys", "events", "meta", "jobs", "sessions", "lex_stats",
-                 "lex_terms", "entities", "entity_names", "relations", "mentions", "embedding_space")
+                 "lex_terms", "entities", "entity_names", "relations", "mentions", "embedding_space",
+                 "key_tombstones")
 _GRAPH_TABLES = ("entities", "entity_names", "relations", "mentions")
+# The columns of `memories` the dense cache holds (visibility, then ranking: CANDIDATE_COLUMNS)
+_CACHED_COLUMNS = ("deleted_at", "expires_at", "valid_from", "valid_to", "kind", "user_id",
+                   "agent_id", "session_id", "name", "text", "observed_at", "created_at",
+                   "importance")
 _TENANT_TABLES_0001 = ("memories", "memory_keys", "events", "meta", "jobs", "sessions")
 
 Step = str | Callable[[Connection], None]  # a statement, or a function that rewrites data
@@ -252,6 +257,43 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
             space text NOT NULL, pending text, cursor {TEXT},
             updated_at timestamptz NOT NULL)""",
         *_tenant_policy("embedding_space"),
+    ]),
+    # What a process's in-memory cache of a scope's keys (store.py, "the dense cache") needs to
+    # follow the database, as on SQLite (sqlite/schema.py 0002): a version per tenant bumped by
+    # every statement that adds or deletes keys, a tombstone per deleted key, and a version
+    # bumped by every change to a column that visibility or ranking reads. Triggers, so that
+    # cascades and every write path are covered. Writes of one tenant take turns (store.py,
+    # `write`), so its keys' and tombstones' sequence numbers grow in commit order: a cache
+    # loads what is new by number.
+    ("0006_dense_cache", [
+        f"""CREATE TABLE key_tombstones (
+            tenant {TEXT} NOT NULL,
+            id bigint GENERATED ALWAYS AS IDENTITY,
+            seq bigint NOT NULL,
+            PRIMARY KEY (tenant, id))""",
+        *_tenant_policy("key_tombstones"),
+        """CREATE FUNCTION engram_bump(t text, n text) RETURNS void LANGUAGE sql AS $$
+            INSERT INTO meta (tenant, name, value) VALUES (t, n, '1'::jsonb)
+            ON CONFLICT (tenant, name) DO UPDATE SET value = to_jsonb(meta.value::bigint + 1) $$""",
+        """CREATE FUNCTION engram_keys_added() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+            PERFORM engram_bump(t, 'keys_version') FROM (SELECT DISTINCT tenant AS t FROM added) x;
+            RETURN NULL; END $$""",
+        """CREATE FUNCTION engram_keys_gone() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+            INSERT INTO key_tombstones (tenant, seq) SELECT tenant, seq FROM gone ORDER BY seq;
+            PERFORM engram_bump(t, 'keys_version') FROM (SELECT DISTINCT tenant AS t FROM gone) x;
+            RETURN NULL; END $$""",
+        f"""CREATE FUNCTION engram_rows_changed() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+            PERFORM engram_bump(t, 'rows_version') FROM (SELECT DISTINCT n.tenant AS t
+                FROM changed_to n JOIN changed_from o ON o.tenant = n.tenant AND o.id = n.id
+                WHERE {" OR ".join(f"o.{c} IS DISTINCT FROM n.{c}" for c in _CACHED_COLUMNS)}) x;
+            RETURN NULL; END $$""",
+        "CREATE TRIGGER memory_keys_added AFTER INSERT ON memory_keys REFERENCING NEW TABLE AS "
+        "added FOR EACH STATEMENT EXECUTE FUNCTION engram_keys_added()",
+        "CREATE TRIGGER memory_keys_gone AFTER DELETE ON memory_keys REFERENCING OLD TABLE AS "
+        "gone FOR EACH STATEMENT EXECUTE FUNCTION engram_keys_gone()",
+        "CREATE TRIGGER memories_changed AFTER UPDATE ON memories REFERENCING OLD TABLE AS "
+        "changed_from NEW TABLE AS changed_to FOR EACH STATEMENT EXECUTE FUNCTION "
+        "engram_rows_changed()",
     ]),
 ]
 

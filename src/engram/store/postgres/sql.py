@@ -9,10 +9,11 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 from psycopg.types.json import Json, Jsonb
 
 from ...filters import Condition
-from ...model import MemoryRecord
+from ...model import MemoryRecord, Scope
 from .. import records as r
 from ..base import Query
 from . import bm25
@@ -159,6 +160,67 @@ def dense_ann_sql(dim: int, source: str) -> str:
             f"ORDER BY (k.vector::vector({d})) <=> %s::vector({d}) LIMIT %s) "
             "SELECT memory_id, 1 - min(d) AS s FROM c GROUP BY memory_id "
             "ORDER BY s DESC, memory_id LIMIT %s")
+
+
+# -- the dense cache's reads (store.py; the same as sqlite/sql.py's) ------------------------------
+
+# Visibility's time columns as epoch seconds (NaN-able floats in the cache)
+_ATTRS = ("m.kind, extract(epoch FROM m.expires_at)::float8, "
+          "extract(epoch FROM m.valid_from)::float8, extract(epoch FROM m.valid_to)::float8")
+
+
+def _attrs(rich: bool) -> str:
+    return f"{_ATTRS}, {r.columns('m', r.CANDIDATE_COLUMNS)}" if rich else _ATTRS
+
+
+def versions(tenant: str) -> r.Stmt:
+    """The tenant's `keys_version` and `rows_version` (absent: never bumped, 0)."""
+    return ("SELECT name, value::bigint FROM meta WHERE tenant = %s "
+            "AND name IN ('keys_version', 'rows_version')", [tenant])
+
+
+def _key_where(tenant: str, scope: Scope, key_name: str, dim: int) -> r.Where:
+    w = r.Where(DIALECT, tenant).add("k.tenant = m.tenant").add("k.kind = %s", key_name)
+    return w.add(f"k.dim = {int(dim)}").add("m.deleted_at IS NULL").scope(scope)
+
+
+def count_keys(tenant: str, scope: Scope, key_name: str, dim: int, limit: int) -> r.Stmt:
+    """How many keys of live memories of the scope there are, counted up to `limit`."""
+    w = _key_where(tenant, scope, key_name, dim)
+    return (f"SELECT count(*) FROM (SELECT 1 FROM memory_keys k JOIN memories m ON m.id = "
+            f"k.memory_id WHERE {w.sql} LIMIT %s) c", [*w.params, limit])
+
+
+def new_keys(tenant: str, scope: Scope, key_name: str, dim: int, after_seq: int,
+             rich: bool = False) -> r.Stmt:
+    """Keys added since `after_seq` of live memories of the scope, their vectors in pgvector's
+    binary form, with what visibility (and, `rich`, ranking) needs."""
+    w = _key_where(tenant, scope, key_name, dim).add("k.seq > %s", after_seq)
+    return (f"SELECT k.seq, k.memory_id, vector_send(k.vector), {_attrs(rich)} FROM memory_keys k "
+            f"JOIN memories m ON m.id = k.memory_id WHERE {w.sql} ORDER BY k.seq", w.params)
+
+
+def key_attrs(tenant: str, scope: Scope, key_name: str, dim: int, rich: bool = False) -> r.Stmt:
+    """What visibility (and, `rich`, ranking) needs, for every key of live memories of the
+    scope."""
+    w = _key_where(tenant, scope, key_name, dim)
+    return (f"SELECT k.seq, {_attrs(rich)} FROM memory_keys k JOIN memories m "
+            f"ON m.id = k.memory_id WHERE {w.sql}", w.params)
+
+
+def tombstones(tenant: str, after_id: int) -> r.Stmt:
+    """Keys deleted since tombstone `after_id` (-1: none, only the last id)."""
+    if after_id < 0:
+        return "SELECT coalesce(max(id), 0), NULL FROM key_tombstones WHERE tenant = %s", [tenant]
+    return ("SELECT id, seq FROM key_tombstones WHERE tenant = %s AND id > %s ORDER BY id",
+            [tenant, after_id])
+
+
+def read_vectors(blobs: Sequence[bytes], dim: int) -> np.ndarray:
+    """pgvector's binary form (int16 dim, int16 unused, dim big-endian float4) as a float32
+    matrix."""
+    raw = np.frombuffer(b"".join(blobs), dtype=np.uint8).reshape(len(blobs), 4 + 4 * dim)
+    return raw[:, 4:].copy().view(">f4").astype(np.float32)
 
 
 def _utc(value: datetime) -> datetime:

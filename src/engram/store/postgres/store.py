@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
@@ -22,7 +23,8 @@ from psycopg import errors as pgerr
 from ...errors import InvalidInput, StoreBusy, StoreUnavailable
 from ...model import Job, MemoryRecord, Scope
 from .. import records as r
-from ..base import Key, Lexical, Query
+from ..base import Candidate, Key, Lexical, Query, Select
+from ..sqlite.slab import Slab
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import bm25, schema, sql
 from .pool import Connection, Pool, translate
@@ -44,20 +46,30 @@ class PostgresStore(SQLStore):
     Safe across threads (a small connection pool) and processes (many service processes and
     workers can share one database). Reads made inside `write()` on the same thread go through
     the write's transaction, so they see its changes.
+
+    The dense cache: as the SQLite store does, a process keeps each searched scope's keys (up
+    to `cache_limit` of them) in numpy matrices, with the ranking fields of its memories, and
+    follows the database by version numbers that triggers keep (schema 0006). A search then
+    costs one round trip (the versions and the BM25 statement) plus one for the records it
+    returns, and scores vectors in process; a refresh after another writer's change loads only
+    what changed. Larger scopes are searched in the database (exact, then HNSW).
     """
 
     dialect = sql.DIALECT
+    MAX_SLABS = 16
 
     def __init__(self, url: str, *, tenant: str = "", busy_timeout_s: float = 30.0,
                  statement_timeout_s: float | None = None, connect_timeout_s: float = 5.0,
                  max_connections: int = 10, pool_wait_s: float | None = None,
-                 exact_limit: int = 2000, reclaim_mode: str = "vacuum") -> None:
+                 exact_limit: int = 2000, reclaim_mode: str = "vacuum",
+                 cache_limit: int = 20_000) -> None:
         """`busy_timeout_s`: how long a write waits for a lock (`lock_timeout`) and, unless
         `pool_wait_s` says otherwise, for a free connection. `statement_timeout_s` defaults to
         max(60, 2 * busy_timeout_s). `exact_limit`: a dense search over at most this many
         visible keys is exact (a scan); above it the HNSW index answers (approximate).
         `reclaim_mode`: what `reclaim()` runs on the tables an erase touched: "vacuum", "full"
-        (VACUUM FULL) or "none"."""
+        (VACUUM FULL) or "none". `cache_limit`: a scope of at most this many keys is searched
+        from this process's cache of its vectors (exact); larger ones in the database."""
         if not isinstance(tenant, str):
             raise InvalidInput("tenant must be a string")
         if reclaim_mode not in RECLAIM_MODES:
@@ -81,6 +93,13 @@ class PostgresStore(SQLStore):
         self._small: dict[tuple[Any, ...], bool] = {}
         self._inserted = self._analyzed_at = 0  # rows this process wrote; at its last ANALYZE
         self._vector: tuple[bytes, str] = (b"", "")  # the last query vector and its literal
+        # The dense cache, shared with the stores of other tenants (keys start with the tenant)
+        self.cache_limit = cache_limit
+        self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
+        self._slabs_lock = threading.Lock()    # the slabs' contents
+        self._refresh_lock = threading.Lock()  # one refresh at a time: it appends by seq
+        self._large: dict[tuple[Any, ...], bool] = {}  # scopes known to exceed cache_limit
+        self._seen: dict[str, tuple[int, int]] = {}    # per tenant, the versions last read
         try:
             self._iterative = schema.migrate(self._transaction) >= (0, 8)  # iterative index scans
         except BaseException:
@@ -97,7 +116,8 @@ class PostgresStore(SQLStore):
                    statement_timeout_s=config.pg_statement_timeout_s,
                    connect_timeout_s=config.pg_connect_timeout_s,
                    max_connections=config.pg_pool_size, pool_wait_s=config.pg_pool_wait_s,
-                   exact_limit=config.pg_exact_limit, reclaim_mode=config.pg_reclaim)
+                   exact_limit=config.pg_exact_limit, reclaim_mode=config.pg_reclaim,
+                   cache_limit=config.ann_threshold)
 
     # -- connections and transactions --------------------------------------------------------
 
@@ -207,6 +227,8 @@ class PostgresStore(SQLStore):
             self._closed = True
             if self._pool.close():  # the last store of the pool
                 self._tokenizer.close()
+                with self._slabs_lock:
+                    self._slabs.clear()
 
     def migrations(self) -> list[str]:
         return [row[0] for row in self._read("SELECT name FROM schema_migrations ORDER BY name")]
@@ -245,6 +267,13 @@ class PostgresStore(SQLStore):
             return []
         v = np.asarray(vector, dtype=np.float32).ravel()
         dim = int(v.shape[0])
+        outside = getattr(self._local, "conn", None) is None  # inside a write: the tables
+        if outside and not self._large.get(self._slab_key(query.scope, key)):
+            versions = _versions(self._read(*sql.versions(self.tenant)))
+            slab = self._cache(query.scope, [key], dim, versions).get(key)
+            if slab is not None:
+                with self._slabs_lock:
+                    return slab.top(query, v, k, lambda ids: self._visible(query, ids))
         lit = self._literal(v)
         where, params = r.compile_query(self.dialect, query, self.tenant)
         source = sql.dense_source(dim, where)
@@ -288,36 +317,139 @@ class PostgresStore(SQLStore):
 
     def pool(self, query: Query, k: int, *, vector: np.ndarray | None, keys: Sequence[str],
              terms: Sequence[str], previous_weight: float = 0.5) -> dict[str, list[tuple[str, float]]]:
-        """One round trip once every key's scope is known to be small (the common case): the
-        counted exact scans and the BM25 statement in one batch. Otherwise each retriever on
-        its own, which learns the scope's size for the next search. A round trip costs far
-        more than these scans (a search used to pay four of them, and under load each waits
-        for the server's process to be scheduled)."""
-        statements: list[tuple[str, Sequence[Any]]] = []
-        shapes: list[tuple[Any, ...]] = []
-        if vector is not None and keys and k > 0:
-            v = np.asarray(vector, dtype=np.float32).ravel()
-            dim = int(v.shape[0])
-            where, params = r.compile_query(self.dialect, query, self.tenant)
-            counted = sql.dense_counted_sql(sql.dense_source(dim, where))
-            for key in keys:
-                shape = _shape(self.tenant, query, key, dim)
-                if dim > schema.MAX_INDEXED_DIM or shape is None or not self._small.get(shape):
-                    return super().pool(query, k, vector=vector, keys=keys, terms=terms,
-                                        previous_weight=previous_weight)
-                shapes.append(shape)
-                statements.append((counted, [self._literal(v), self.tenant, key, *params, k]))
-        phrases = bm25.phrases(self._tokenizer, terms) if terms and k > 0 else []
+        """One round trip for the cache's versions and the BM25 statement; dense candidates
+        from the cache (after a second round trip only if another writer changed the scope),
+        or from the database for scopes larger than `cache_limit` and inside a write."""
+        if k <= 0 or getattr(self._local, "conn", None) is not None:
+            return super().pool(query, k, vector=vector, keys=keys, terms=terms,
+                                previous_weight=previous_weight)
+        phrases = bm25.phrases(self._tokenizer, terms) if terms else []
+        statements = [sql.versions(self.tenant)]
         if phrases:
             statements.append(sql.lexical(self.tenant, query, phrases, k, previous_weight))
-        rows = self._batch(statements) if statements else []
+        rows = self._batch(statements)
         found: dict[str, list[tuple[str, float]]] = {}
-        for key, shape, got in zip(keys, shapes, rows, strict=False):
-            if got and got[0][2] > self.exact_limit:
-                self._small[shape] = False  # it grew: the next search counts first
-            found[key] = [(row[0], float(row[1])) for row in got]
+        if vector is not None and keys:
+            v = np.asarray(vector, dtype=np.float32).ravel()
+            slabs = self._cache(query.scope, keys, int(v.shape[0]), _versions(rows[0]))
+            for key in keys:
+                slab = slabs.get(key)
+                if slab is None:
+                    found[key] = self.dense(query, v, k, key)
+                    continue
+                with self._slabs_lock:
+                    found[key] = slab.top(query, v, k, lambda ids: self._visible(query, ids))
         if terms:
-            found["lexical"] = [(row[0], float(row[1])) for row in rows[-1]] if phrases else []
+            found["lexical"] = [(row[0], float(row[1])) for row in rows[1]] if phrases else []
+        return found
+
+    # -- the dense cache -------------------------------------------------------------------------
+
+    def _slab_key(self, scope: Scope, key_name: str) -> tuple[Any, ...]:
+        return (self.tenant, scope.user_id, scope.agent_id, scope.session_id, key_name)
+
+    def _cache(self, scope: Scope, names: Sequence[str], dim: int,
+               versions: tuple[int, int]) -> dict[str, Slab]:
+        """The scope's slab of each key name, exact as of `versions` or later; a name is left
+        out where the scope holds more than `cache_limit` keys. Stale slabs are refreshed
+        together, in one round trip."""
+        self._seen[self.tenant] = versions
+        wanted = {name: self._slab_key(scope, name) for name in names}
+        wanted = {name: key for name, key in wanted.items() if not self._large.get(key)}
+        with self._slabs_lock:
+            held = {name: self._slabs.get(key) for name, key in wanted.items()}
+        fresh = {name: slab for name, slab in held.items() if slab is not None
+                 and slab.mat.shape[1] == dim and (slab.version, slab.rows_version) == versions}
+        if len(fresh) < len(wanted):
+            with self._refresh_lock:  # another thread may have refreshed them meanwhile
+                fresh = self._refresh(scope, {n: wanted[n] for n in wanted if n not in fresh},
+                                      dim, versions) | fresh
+        return fresh
+
+    def _refresh(self, scope: Scope, wanted: dict[str, tuple[Any, ...]], dim: int,
+                 versions: tuple[int, int]) -> dict[str, Slab]:
+        """Bring the slabs of `wanted` up to `versions`: new ones are counted first (a scope
+        too large to cache is never loaded), then, in one batch per refresh, each slab's
+        tombstones before its new keys (a key deleted in between is either not loaded or
+        leaves a tombstone read next time) and, if rows changed, every row's attributes."""
+        t = self.tenant
+        with self._slabs_lock:
+            slabs = {}
+            for name, key in wanted.items():
+                slab = self._slabs.get(key)
+                if slab is None or slab.mat.shape[1] != dim:
+                    slab = Slab(dim, rich=name == "text")
+                slabs[name] = slab
+        new = [name for name, slab in slabs.items() if slab.version < 0]
+        if new:
+            counts = self._batch([sql.count_keys(t, scope, name, dim, self.cache_limit + 1)
+                                  for name in new])
+            for name, rows in zip(new, counts, strict=True):
+                if rows[0][0] > self.cache_limit:
+                    self._mark_large(wanted[name])
+                    del slabs[name]
+        stale = {name: slab for name, slab in slabs.items()
+                 if (slab.version, slab.rows_version) != versions}
+        # a new slab's keys come with their attributes; a known one reloads them if rows changed
+        reattr = {name: slab.version >= 0 and slab.rows_version != versions[1]
+                  for name, slab in stale.items()}
+        statements = []
+        for name, slab in stale.items():
+            statements += [sql.tombstones(t, slab.tomb_max),
+                           sql.new_keys(t, scope, name, dim, slab.max_seq, slab.rich)]
+            if reattr[name]:
+                statements.append(sql.key_attrs(t, scope, name, dim, slab.rich))
+        results = iter(self._batch(statements) if statements else [])
+        with self._slabs_lock:
+            for name, slab in stale.items():
+                dead, added = next(results), next(results)
+                if slab.tomb_max < 0:
+                    slab.tomb_max = dead[0][0]
+                elif dead:
+                    slab.kill([d[1] for d in dead])
+                    slab.tomb_max = dead[-1][0]
+                if added:
+                    slab.append([a[0] for a in added], [a[1] for a in added],
+                                sql.read_vectors([a[2] for a in added], dim),
+                                [a[3:] for a in added], self.dialect)
+                if reattr[name]:
+                    slab.reset_attrs(next(results), self.dialect)
+                slab.version, slab.rows_version = versions
+                if int(np.count_nonzero(slab.alive[:slab.n])) > self.cache_limit:
+                    self._mark_large(wanted[name])
+                    del slabs[name]
+                    self._slabs.pop(wanted[name], None)
+                    continue
+                self._slabs[wanted[name]] = slab
+                self._slabs.move_to_end(wanted[name])
+            while len(self._slabs) > self.MAX_SLABS:
+                self._slabs.popitem(last=False)
+        return slabs
+
+    def _mark_large(self, key: tuple[Any, ...]) -> None:
+        if len(self._large) > 4096:
+            self._large.clear()  # scopes shrink too: count them again now and then
+        self._large[key] = True
+
+    def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
+        return set(self.read_ids(Select.of(query, ids=tuple(ids), order=None))) if ids else set()
+
+    def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]:
+        """From the scope's cached `text` slab when it is as new as the versions this process
+        last read (a search's pool costs no SQL); the rest from the table."""
+        if query is None or not ids or getattr(self._local, "conn", None) is not None:
+            return super().candidates(ids)
+        key = self._slab_key(query.scope, "text")
+        with self._slabs_lock:
+            slab = self._slabs.get(key)
+            if slab is None or (slab.version, slab.rows_version) != self._seen.get(self.tenant):
+                slab = None
+            else:
+                found, missing = slab.candidates(ids)
+        if slab is None:
+            return super().candidates(ids)
+        if missing:
+            found.update(super().candidates(missing))
         return found
 
     def _literal(self, v: np.ndarray) -> str:
@@ -351,6 +483,23 @@ class PostgresStore(SQLStore):
         except (StoreBusy, StoreUnavailable) as exc:
             log.debug("access tracking skipped: %s", exc)
 
+    def access(self, ids: Sequence[str], at: datetime) -> dict[str, MemoryRecord]:
+        """The records and their access count in one statement: the UPDATE returns each row as
+        its statement's snapshot saw it (the self-join `o`), i.e. before this access. A row
+        locked by a writer for more than 20 ms makes it a plain read, uncounted, as `touch`."""
+        if not ids:
+            return {}
+        stmt = ("UPDATE memories m SET access_count = m.access_count + 1, last_accessed_at = %s "
+                "FROM memories o WHERE m.tenant = %s AND m.id = ANY(%s) AND o.tenant = m.tenant "
+                f"AND o.id = m.id RETURNING {r.columns('o', r.MEMORY_COLUMNS)}")
+        try:
+            rows = self._batch([(stmt, (at, self.tenant, sorted(set(ids))))], lock_timeout_ms=20,
+                               retry=False)[0]
+        except (StoreBusy, StoreUnavailable) as exc:
+            log.debug("access tracking skipped: %s", exc)
+            return self.get(ids)
+        return {rec.id: rec for rec in (r.read_memory(self.dialect, row) for row in rows)}
+
     def claim_job(self, now: datetime, lease_until: datetime) -> Job | None:
         with self._write(serialize=False) as tx:  # many workers claim at once: rows, not turns
             row = tx.conn.execute(*sql.claim_job(self.tenant, now, lease_until)).fetchone()
@@ -380,6 +529,12 @@ class PostgresStore(SQLStore):
             self._pool.release(conn)
         for notice in skipped:
             log.warning("reclaim: %s", notice.message_primary)
+
+
+def _versions(rows: Sequence[Any]) -> tuple[int, int]:
+    """(keys_version, rows_version) from the rows of `sql.versions`."""
+    found = dict(rows)
+    return int(found.get("keys_version", 0)), int(found.get("rows_version", 0))
 
 
 def _shape(tenant: str, query: Query, key: str, dim: int) -> tuple[Any, ...] | None:

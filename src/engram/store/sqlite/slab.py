@@ -4,7 +4,7 @@ matrix, with what visibility needs per row, so a search filters and scores in nu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,6 +16,15 @@ from .ann import Ann
 
 _KIND_CODES = {k.value: i for i, k in enumerate(Kind)}
 TIMES = ("expires_at", "valid_from", "valid_to")  # cached per row, in this order
+
+
+def unit(vectors: np.ndarray) -> np.ndarray:
+    """Rows scaled to length 1 (zero rows stay zero), so a dot product is the cosine that
+    the protocol's `dense` promises: embedders' vectors already are, others may not be."""
+    v = np.asarray(vectors, dtype=np.float32)
+    norms = np.linalg.norm(v, axis=-1, keepdims=True)
+    out: np.ndarray = np.divide(v, norms, out=np.zeros_like(v), where=norms > 0)
+    return out
 
 
 class Slab:
@@ -70,7 +79,7 @@ class Slab:
         need = self.n + len(seqs)
         if need > len(self.seqs):
             self._grow(need)
-        self.mat[self.n:need] = vecs
+        self.mat[self.n:need] = unit(vecs)
         self.seqs[self.n:need] = seqs
         self.alive[self.n:need] = True
         self.ok[self.n:need] = True
@@ -123,8 +132,15 @@ class Slab:
         return pos, held
 
     def kill(self, seqs: Sequence[int]) -> None:
+        """Rows whose key was deleted: gone from every search, and their vector and cached
+        text cleared (the key may have been erased)."""
         pos, held = self.rows_of(seqs)
-        self.alive[pos[held]] = False
+        rows = pos[held]
+        self.alive[rows] = False
+        self.mat[rows] = 0.0
+        if self.rich:
+            for i in rows.tolist():
+                self.cands[i] = None
 
     def reset_attrs(self, rows: Sequence[Sequence[Any]], d: Dialect | None = None) -> None:
         """Replace every row's attributes: `rows` are (seq, kind, expires, valid_from, valid_to,
@@ -167,3 +183,26 @@ class Slab:
     def live_rows(self) -> np.ndarray:
         """Rows whose key and memory exist (whatever the time and kind)."""
         return np.flatnonzero(self.alive[:self.n] & self.ok[:self.n])
+
+    def top(self, query: Query, vector: np.ndarray, k: int,
+            visible: Callable[[list[str]], set[str]]) -> list[tuple[str, float]]:
+        """The best `k` memories `query` may see, each by its best key, from an exact cache.
+        Without metadata conditions the cache decides; with them, `visible` (the database)
+        checks the best candidates in growing pools. Call with the cache's lock held."""
+        rows = np.flatnonzero(self.visible(query))
+        vector = unit(vector)
+        sims = self.mat[rows] @ vector if len(rows) < self.n // 2 else (self.mat[:self.n] @ vector)[rows]
+        mids = self.memory_ids
+        pool = min(len(rows), k if not query.conditions else 4 * k + 64)
+        while True:
+            top = np.argpartition(-sims, pool - 1)[:pool] if pool < len(rows) else np.arange(len(rows))
+            top = top[np.argsort(-sims[top], kind="stable")]
+            _, first = np.unique(self.codes[rows[top]], return_index=True)  # best key per memory
+            top = top[np.sort(first)]
+            best = dict(zip([mids[r] for r in rows[top].tolist()], sims[top].tolist(), strict=True))
+            if query.conditions:
+                seen = visible(list(best))
+                best = {mid: s for mid, s in best.items() if mid in seen}
+            if len(best) >= k or pool >= len(rows):
+                return list(best.items())[:k]
+            pool = min(len(rows), pool * 4)

@@ -27,7 +27,7 @@ from ..base import Candidate, Key, Lexical, Query, Select
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import ann, schema, sql
 from .conn import BUSY_ERRORS, DB_ERRORS, Connections
-from .slab import Slab
+from .slab import Slab, unit
 
 log = logging.getLogger("engram.store")
 
@@ -222,7 +222,7 @@ class SQLiteStore(SQLStore):
 
     def dense(self, query: Query, vector: np.ndarray, k: int,
               key: str = "text") -> list[tuple[str, float]]:
-        vector = np.asarray(vector, dtype=np.float32)
+        vector = unit(np.asarray(vector, dtype=np.float32))  # cosine, as the protocol says
         slab, exact = self._slab(query, key, vector.shape[0])
         if exact and k > 0 and slab.n > self.ann_threshold and ann.available():
             s = query.scope
