@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import multiprocessing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from engram import Memory
+from engram import Config, Memory
 from engram.providers.embedders import Embedder, MiniLM, SentenceTransformerMiniLM
 
 pytestmark = pytest.mark.slow
@@ -46,3 +47,38 @@ def test_forked_children_add_and_search_after_the_parent_used_the_memory(
     assert mem.embedder.embed_batch(["still here"]).shape == (1, 384)
     assert len(mem.list(user_id="u", limit=100).items) == 21
     mem.close()
+
+
+def test_forked_children_share_a_postgres_database_with_the_parent(
+        tmp_path: Path, pg_server: Any, embedder: Embedder) -> None:
+    """The parent's pooled connections are its own sessions: a child that used them would
+    interleave its statements with the parent's on one socket, and one that closed them
+    would end the parent's sessions. Each child opens its own; the parent keeps working
+    while they run."""
+    name = pg_server.create_database()
+    config = Config.from_env(database_url=pg_server.url(name), path=tmp_path / "unused.db")
+    mem = Memory(config=config, embedder=embedder)
+    try:
+        mem.add("the parent was here first", user_id="u")
+        assert mem.search("parent", user_id="u")  # the pool now holds idle connections
+        ctx = multiprocessing.get_context("fork")
+        children = [ctx.Process(target=_child, args=(mem, n)) for n in range(2)]
+        for c in children:
+            c.start()
+        for _ in range(10):  # the parent goes on using its connections meanwhile
+            assert mem.search("the parent was here", user_id="u")[0].memory.text == \
+                "the parent was here first"
+        for c in children:
+            c.join(timeout=120)
+        stuck = [c for c in children if c.is_alive()]
+        for c in stuck:
+            c.kill()
+        assert not stuck, "a forked child hung"
+        assert [c.exitcode for c in children] == [0, 0]
+        assert len(mem.list(user_id="u", limit=100).items) == 21
+        assert mem.search("child 1 remembers fact number 7", user_id="u")[0].memory.text == \
+            "child 1 remembers fact number 7"
+    finally:
+        mem.close()
+        with pg_server.admin() as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

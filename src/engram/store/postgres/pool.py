@@ -4,6 +4,7 @@ service's key store both use it."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,19 @@ def translate(exc: psycopg.Error) -> EngramError:
     return StoreError(f"database error (the transaction was rolled back): {exc}")
 
 
+def _let_go(conn: Connection) -> None:
+    """Drop a connection another process (the parent of a fork) also holds, leaving its session
+    alone: the descriptor is pointed at /dev/null first, so libpq's goodbye message, which
+    would end the session for both, goes nowhere."""
+    with suppress(Exception):
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            os.dup2(null, conn.fileno())
+        finally:
+            os.close(null)
+        conn.close()
+
+
 class Pool:
     """A small thread-safe pool: idle connections are reused, broken ones dropped.
 
@@ -59,16 +73,32 @@ class Pool:
         self._idle: list[Connection] = []
         self._size = 0
         self._cond = threading.Condition()
+        self._pid = os.getpid()
+        self._mine: set[int] = set()  # ids of the connections this process opened
         self._closed = False
         self._users = 1
 
     def retain(self) -> None:
+        self._after_fork()
         with self._cond:
             if self._closed:
                 raise StoreError("the store is closed")
             self._users += 1
 
+    def _after_fork(self) -> None:
+        """In a forked child (gunicorn --preload, Celery prefork, multiprocessing): the
+        inherited connections are the parent's sessions. They are let go without a word to
+        the server and the pool starts empty."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()
+        self._cond = threading.Condition()  # its lock may have been held by a parent's thread
+        inherited, self._idle, self._size, self._mine = self._idle, [], 0, set()
+        for conn in inherited:
+            _let_go(conn)
+
     def acquire(self) -> Connection:
+        self._after_fork()
         deadline = time.monotonic() + self._wait_s
         with self._cond:
             while True:
@@ -85,7 +115,9 @@ class Pool:
                                     f"{self._wait_s}s")
                 self._cond.wait(remaining)
         try:
-            return psycopg.connect(self._url, autocommit=True, **self._kwargs)
+            conn = psycopg.connect(self._url, autocommit=True, **self._kwargs)
+            self._mine.add(id(conn))
+            return conn
         except BaseException as exc:
             with self._cond:
                 self._size -= 1
@@ -95,9 +127,14 @@ class Pool:
             raise
 
     def release(self, conn: Connection, *, discard: bool = False) -> None:
+        self._after_fork()
+        if id(conn) not in self._mine:  # taken before a fork, by the parent
+            _let_go(conn)
+            return
         bad = (discard or self._closed or conn.closed or conn.broken
                or conn.info.transaction_status != TransactionStatus.IDLE)
         if bad:
+            self._mine.discard(id(conn))
             conn.close()
         with self._cond:
             if bad:
@@ -108,9 +145,11 @@ class Pool:
 
     def drop_idle(self) -> None:
         """Close the idle connections: one of them failed, so the server probably restarted."""
+        self._after_fork()
         with self._cond:
             idle, self._idle = self._idle, []
             self._size -= len(idle)
+            self._mine -= {id(conn) for conn in idle}
             self._cond.notify_all()
         for conn in idle:
             conn.close()
@@ -192,6 +231,7 @@ class Pool:
     def close(self) -> bool:
         """Called once by each user of the pool; the last one closes the connections (and
         learns so: True)."""
+        self._after_fork()
         with self._cond:
             self._users -= 1
             if self._users > 0:
