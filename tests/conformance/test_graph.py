@@ -162,13 +162,14 @@ def test_a_database_made_before_the_graph_upgrades(tmp_path: Any, monkeypatch: A
     from engram.store.sqlite import SQLiteStore, schema
 
     path = tmp_path / "old.db"
+    graph = ("0003_graph", "0005_entity_keys")
     with monkeypatch.context() as m:
-        m.setattr(schema, "MIGRATIONS", [x for x in schema.MIGRATIONS if x[0] != "0003_graph"])
+        m.setattr(schema, "MIGRATIONS", [x for x in schema.MIGRATIONS if x[0] not in graph])
         SQLiteStore(path).close()
     new = SQLiteStore(path)
     try:
-        assert new.migrations() == [name for name, _ in schema.MIGRATIONS if name != "0003_graph"] \
-            + ["0003_graph"]
+        assert new.migrations() == [name for name, _ in schema.MIGRATIONS if name not in graph] \
+            + list(graph)
         a = ent("Ana")
         put(new, a)
         assert new.read_entities(EntitySelect(U)) == [a]
