@@ -225,10 +225,12 @@ RULES, LLM_SUMMARY, CALLER = "rules", "llm", "caller"
 SUMMARY_RELATIONS = 20  # relations an LLM summary is written from, at most
 
 
-def refresh(store: Store, tx: Tx, ids: Iterable[str], now: datetime) -> dict[str, Entity]:
+def refresh(store: Store, tx: Tx, ids: Iterable[str], now: datetime, *,
+            forget: bool = False) -> dict[str, Entity]:
     """Inside a write: rewrite the rules summary of these entities (unless the caller or an
-    LLM wrote theirs) from their type, aliases and the relations that hold now. Returns the
-    entities as they are now."""
+    LLM wrote theirs) from their type, aliases and the relations that hold now. `forget`:
+    relations were deleted or erased, so an LLM's summary (which may name what went) is
+    replaced by the rules summary too. Returns the entities as they are now."""
     wanted = tuple(sorted({i for i in ids if i}))
     if not wanted:
         return {}
@@ -236,7 +238,7 @@ def refresh(store: Store, tx: Tx, ids: Iterable[str], now: datetime) -> dict[str
     rels = store.read_relations(RelationSelect(touching=wanted, at=now))
     out = {}
     for e in found:
-        if e.summary_by in ("", RULES):
+        if e.summary_by in ("", RULES) or (forget and e.summary_by == LLM_SUMMARY):
             text = g.describe(e, [r for r in rels if e.id in (r.subject, r.object)])
             if (text, RULES) != (e.summary, e.summary_by):
                 e = replace(e, summary=text, summary_by=RULES)
@@ -342,7 +344,7 @@ def delete(engine: Engine, scope: Scope, name: str) -> Subgraph:
         mentioned = store.mention_counts(scope, [e.id]).get(e.id, 0)
         tx.erase_graph([e.id], [])
         others = {x for r in rels for x in (r.subject, r.object) if x and x != e.id}
-        refresh(store, tx, others, now)
+        refresh(store, tx, others, now, forget=True)
         tx.append(Event(id=new_id(), memory_id=e.id, type=EventType.DELETE, at=now, scope=e.scope,
                         before={"id": e.id, "type": e.type, "relations": [r.id for r in rels],
                                 "mentions": mentioned},
@@ -750,8 +752,11 @@ def erase(store: Store, tx: Tx, erased: Sequence[str], scope: Scope, *, whole: b
             left = (others[0].episode_id,)  # its remaining evidence
         if left != e.provenance:
             tx.put_entity(replace(e, provenance=left), g.name_keys(e.name, e.aliases))
+    if drop_ents:  # their relations go with them: the other ends' summaries follow
+        for r in store.read_relations(RelationSelect(own, touching=tuple(drop_ents), seen="all")):
+            ends |= {r.subject, r.object or ""}
     tx.erase_graph(drop_ents, drop_rels)
-    refresh(store, tx, ends - set(drop_ents), utcnow())
+    refresh(store, tx, ends - set(drop_ents), utcnow(), forget=True)
 
 
 # -- context -------------------------------------------------------------------------------------
