@@ -237,7 +237,7 @@ def test_two_processes_relating_one_new_entity_end_with_one(
 
         target = PG.database_for(tmp_path)
     else:
-        target = str(tmp_path / "shared.db")
+        target = str(tmp_path / "store.db")  # the file STORES["sqlite"] opens
     opened = STORES[backend](tmp_path)  # migrated before the race: the race is the entity's
     opened.close()
     script = tmp_path / "writer.py"
