@@ -406,3 +406,17 @@ def test_a_deleted_neighbour_leaves_no_llm_summary_naming_it(smem: Memory,
     smem.delete_entity(CANARY, user_id="u")
     ana = smem.entity("Ana", user_id="u").entity
     assert CANARY not in ana.summary and ana.summary_by == "rules"
+
+
+def test_an_adds_extracted_relations_get_llm_summaries(smem: Memory,
+                                                       summary_script: ScriptedLLM) -> None:
+    summary_script.push(
+        {"facts": [], "entities": [{"name": "Ana", "type": "person", "aliases": []},
+                                   {"name": "Acme", "type": "organization", "aliases": []}],
+         "relations": [{"subject": "Ana", "predicate": "works_at", "object": "Acme",
+                        "valid_from": None, "valid_to": None}]},
+        {"summary": "Ana works for Acme."}, {"summary": "Acme employs Ana."})
+    smem.add("I'm Ana and I started at Acme", user_id="u", session_id="s")
+    stored = {e.name: (e.summary, e.summary_by) for e in smem.entities(user_id="u")}
+    assert stored == {"Ana": ("Ana works for Acme.", "llm"), "Acme": ("Acme employs Ana.", "llm")}
+    assert summary_script.requests[1].schema.__name__ == "_Summary"  # type: ignore[union-attr]

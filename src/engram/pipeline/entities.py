@@ -315,6 +315,11 @@ def summarize(engine: Engine, ids: Iterable[str]) -> None:
                 tx.put_entity(done, g.name_keys(done.name, done.aliases))
 
 
+def ends(relations: Iterable[Relation]) -> set[str]:
+    """The entities at either end of these relations."""
+    return {x for r in relations for x in (r.subject, r.object) if x}
+
+
 def shown(e: Entity, relations: Sequence[Relation], *, dates: bool = False) -> str:
     """The summary to show: the caller's or the LLM's as written, else the rules summary of
     the relations that hold now (exact at read time: a relation may have ended since)."""
