@@ -420,3 +420,17 @@ def test_an_adds_extracted_relations_get_llm_summaries(smem: Memory,
     stored = {e.name: (e.summary, e.summary_by) for e in smem.entities(user_id="u")}
     assert stored == {"Ana": ("Ana works for Acme.", "llm"), "Acme": ("Acme employs Ana.", "llm")}
     assert summary_script.requests[1].schema.__name__ == "_Summary"  # type: ignore[union-attr]
+
+
+def test_an_erasure_rewrites_the_summaries_that_named_what_it_took(gmem: Memory) -> None:
+    first = gmem.add({"content": "hello there", "name": CANARY}, user_id="u",
+                     session_id="s1").memories[0]
+    gmem.relate("Ana", "knows", CANARY, user_id="u")
+    assert CANARY in gmem.entity("Ana", user_id="u").entity.summary
+    gmem.erase(id=first.id, user_id="u")  # the speaker's only evidence: the entity goes
+    with pytest.raises(NotFound):
+        gmem.entity(CANARY, user_id="u")
+    store: Any = gmem.store
+    for table in ("entities", "entity_names", "relations", "mentions", "events"):
+        rows = store._read(f"SELECT * FROM {table}")
+        assert CANARY.casefold() not in repr(rows).casefold(), table
