@@ -434,3 +434,13 @@ def test_an_erasure_rewrites_the_summaries_that_named_what_it_took(gmem: Memory)
     for table in ("entities", "entity_names", "relations", "mentions", "events"):
         rows = store._read(f"SELECT * FROM {table}")
         assert CANARY.casefold() not in repr(rows).casefold(), table
+
+
+def test_a_callers_summary_is_checked(gmem: Memory) -> None:
+    from engram import InvalidInput
+
+    for bad in ("x" * 2001, "a\x00b", 42):
+        with pytest.raises(InvalidInput):
+            gmem.upsert_entity("Ana", summary=bad, user_id="u")  # type: ignore[arg-type]
+    assert gmem.entities(user_id="u") == []  # nothing half-written
+    assert gmem.upsert_entity("Ana", summary="y" * 2000, user_id="u").summary_by == "caller"

@@ -153,8 +153,12 @@ def upsert(engine: Engine, scope: Scope, name: str, *, type: str | None = None,
     name = _clean(name, "name")
     typ = _clean(type, "type", max_chars=64).casefold() if type is not None else ""
     aliases = clean_aliases(aliases)
-    if summary is not None and len(summary) > g.MAX_SUMMARY:
-        raise InvalidInput(f"summary has {len(summary)} characters; at most {g.MAX_SUMMARY}")
+    if summary is not None:
+        if not isinstance(summary, str):
+            raise InvalidInput("summary must be a string")
+        if len(summary) > MAX_CALLER_SUMMARY or "\x00" in summary:
+            raise InvalidInput(f"summary must be at most {MAX_CALLER_SUMMARY} characters, "
+                               "without NUL")
     by = "" if summary is None else "caller" if summary.strip() else ""
     vector = engine.embedder.embed_batch([name])[0]
     res, entities = resolve(engine, scope, name, typ, aliases, vector)
@@ -222,6 +226,7 @@ def create(store: Store, tx: Tx, entity: Entity, vector: np.ndarray | None) -> E
 # -- summaries -----------------------------------------------------------------------------------
 
 RULES, LLM_SUMMARY, CALLER = "rules", "llm", "caller"
+MAX_CALLER_SUMMARY = 2000  # characters of a summary a caller writes (generated ones: 400)
 SUMMARY_RELATIONS = 20  # relations an LLM summary is written from, at most
 
 
