@@ -273,3 +273,22 @@ def test_postgres_merges_the_duplicates_of_an_older_version(tmp_path: Any, monke
     finally:
         other.close()
         new.close()
+
+
+def test_add_entity_is_unique_by_owner_and_key(store: Store) -> None:
+    a = ent("Ana")
+    with store.write() as tx:
+        assert tx.add_entity(a, [("ana", "name")], "ana") == a.id
+        assert tx.add_entity(ent("ANA"), [("ana", "name")], "ana") == a.id  # taken: nothing written
+        for scope in (V, Scope("u", "bot"), Scope(None, "bot")):  # other owners: their own key
+            other = ent("Ana", scope=scope)
+            assert tx.add_entity(other, [("ana", "name")], "ana") == other.id
+        typed = ent("Ana", type="robot")
+        assert tx.add_entity(typed, [("ana", "name")], "ana#robot") == typed.id
+    found = store.read_entities(EntitySelect(U, exact=True))
+    assert sorted(e.id for e in found) == sorted([a.id, typed.id])
+    assert len(store.match_names(V, ["ana"])) == 1  # the index rows of what was inserted only
+    with store.write() as tx:  # an update by id keeps the key
+        tx.put_entity(Entity(**{**a.__dict__, "aliases": ("Annie",)}),
+                      [("ana", "name"), ("annie", "alias")])
+        assert tx.add_entity(ent("Ana"), [], "ana") == a.id

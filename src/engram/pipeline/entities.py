@@ -164,21 +164,22 @@ def upsert(engine: Engine, scope: Scope, name: str, *, type: str | None = None,
     res, entities = resolve(engine, scope, name, typ, aliases, vector)
     now = utcnow()
     store = engine.store
+    new: Entity | None = None
+    if res.entity is not None:
+        old = entities.get(res.entity) or store.read_entities(EntitySelect(ids=(res.entity,)))[0]
+        extra = [a for a in (name, *aliases)
+                 if g.normalise(a) != g.normalise(old.name) and a not in old.aliases]
+        new = replace(old, aliases=(*old.aliases, *extra),
+                      type=old.type if old.type not in g.GENERIC_TYPES else typ or old.type,
+                      summary=old.summary if summary is None else summary.strip(),
+                      summary_by=old.summary_by if summary is None else by,
+                      attributes={**old.attributes, **(attributes or {})},
+                      provenance=tuple(dict.fromkeys((*old.provenance, *provenance))),
+                      updated_at=now)
+        if new == replace(old, updated_at=now):
+            return old  # nothing new: no write
     with _write(engine, tx) as w:
-        if res.entity is not None:
-            old = entities.get(res.entity) or store.read_entities(
-                EntitySelect(ids=(res.entity,)))[0]
-            extra = [a for a in (name, *aliases)
-                     if g.normalise(a) != g.normalise(old.name) and a not in old.aliases]
-            new = replace(old, aliases=(*old.aliases, *extra),
-                          type=old.type if old.type not in g.GENERIC_TYPES else typ or old.type,
-                          summary=old.summary if summary is None else summary.strip(),
-                          summary_by=old.summary_by if summary is None else by,
-                          attributes={**old.attributes, **(attributes or {})},
-                          provenance=tuple(dict.fromkeys((*old.provenance, *provenance))),
-                          updated_at=now)
-            if new == old:
-                return old
+        if new is not None:
             w.put_entity(new, g.name_keys(new.name, new.aliases))
             entity = new
         else:
