@@ -739,7 +739,7 @@ def erase(store: Store, tx: Tx, erased: Sequence[str], scope: Scope, *, whole: b
     touched = store.read_mentions(Scope(own.user_id, own.agent_id), episode_ids=sorted(gone))
     tx.drop_mentions(sorted(gone))
     drop_rels: list[str] = []
-    ends: set[str] = set()  # entities whose relations change: their rules summary follows
+    affected: set[str] = set()  # entities whose relations change: their summaries follow
     for r in store.read_relations(RelationSelect(own, seen="all")):
         if r.provenance and gone.intersection(r.provenance):
             left = tuple(p for p in r.provenance if p not in gone)
@@ -747,7 +747,7 @@ def erase(store: Store, tx: Tx, erased: Sequence[str], scope: Scope, *, whole: b
                 tx.put_relation(replace(r, provenance=left))
             else:
                 drop_rels.append(r.id)
-                ends |= {r.subject, r.object or ""}
+                affected |= {r.subject, r.object or ""}
     candidates = {m.entity_id for m in touched}
     drop_ents: list[str] = []
     for e in store.read_entities(EntitySelect(own)):
@@ -765,9 +765,9 @@ def erase(store: Store, tx: Tx, erased: Sequence[str], scope: Scope, *, whole: b
             tx.put_entity(replace(e, provenance=left), g.name_keys(e.name, e.aliases))
     if drop_ents:  # their relations go with them: the other ends' summaries follow
         for r in store.read_relations(RelationSelect(own, touching=tuple(drop_ents), seen="all")):
-            ends |= {r.subject, r.object or ""}
+            affected |= {r.subject, r.object or ""}
     tx.erase_graph(drop_ents, drop_rels)
-    refresh(store, tx, ends - set(drop_ents), utcnow(), forget=True)
+    refresh(store, tx, affected - set(drop_ents), utcnow(), forget=True)
 
 
 # -- context -------------------------------------------------------------------------------------
