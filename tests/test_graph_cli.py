@@ -42,3 +42,17 @@ def test_relate_then_entities_entity_and_relations(tmp_path: Path) -> None:
     assert "Acme" in table and "Globex" in table and "2023-01-01" in table
     assert "Globex" in run(db, "entity", "Ana", "-u", "ana")
     run(db, "entity", "Nobody", "-u", "ana", code=1)
+
+
+def test_entity_delete_asks_first_then_removes(tmp_path: Path) -> None:
+    db = tmp_path / "g.db"
+    run(db, "relate", "Ana", "works_at", "Acme", "-u", "ana")
+    declined = CliRunner(env={"COLUMNS": "200"}).invoke(
+        app, ["--db", str(db), "entity", "Acme", "--delete", "-u", "ana"], input="n\n")
+    assert declined.exit_code == 1 and "nothing was deleted" in declined.output
+    assert json.loads(run(db, "entity", "Acme", "-u", "ana", "--json"))["name"] == "Acme"
+    out = json.loads(run(db, "entity", "acme", "--delete", "--yes", "-u", "ana", "--json"))
+    assert [e["name"] for e in out["entities"]] == ["Acme"] and len(out["relations"]) == 1
+    run(db, "entity", "Acme", "-u", "ana", code=1)
+    run(db, "entity", "Acme", "--delete", "-y", "-u", "ana", code=1)  # unknown: not found
+    assert "deleted Ana" in run(db, "entity", "Ana", "--delete", "-y", "-u", "ana")

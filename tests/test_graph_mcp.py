@@ -69,3 +69,30 @@ def test_kg_records_written_before_migrate_into_entities_and_relations(
         assert {e.name for e in mem.entities(user_id="u1")} == {"Ana", "Bob"}
         assert [(r.subject_name, r.predicate, r.object_name)
                 for r in mem.relations(user_id="u1")] == [("Ana", "friend_of", "Bob")]
+
+
+def test_delete_entities_deletes_the_real_entity_unless_a_namesake_remains(
+        tmp_path: Path, embedder: MiniLM) -> None:
+    async def go(mem: Memory) -> None:
+        async with Client(build_server(lambda: mem, user_id="u1")) as c:
+            data(await c.call_tool("create_entities", {"entities": [
+                {"name": "Ana", "entityType": "person", "observations": []},
+                {"name": "ana", "entityType": "person", "observations": []},  # two here, one there
+                {"name": "Clinic", "entityType": "organization", "observations": []}]}))
+            data(await c.call_tool("create_relations", {"relations": [
+                {"from": "Ana", "to": "Clinic", "relationType": "works_at"}]}))
+            ana = mem.entity("Ana", user_id="u1").entity
+            data(await c.call_tool("delete_entities", {"entityNames": ["ana"]}))
+            # `Ana` is still a reference entity, and the real graph's Ana is hers too
+            assert mem.entity("Ana", user_id="u1").entity.id == ana.id
+            data(await c.call_tool("delete_entities", {"entityNames": ["Clinic"]}))
+            assert data(await c.call_tool("relations", {"subject": "Ana"}))["relations"] == []
+            missing = await c.call_tool("entity", {"name": "Clinic"})
+            assert missing.is_error and "NotFound" in missing.content[0].text
+            data(await c.call_tool("delete_entities", {"entityNames": ["Ana"]}))
+            assert mem.entities(user_id="u1") == []
+            graph = data(await c.call_tool("read_graph", {}))
+            assert graph["entities"] == [] and graph["relations"] == []
+
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=None) as mem:
+        asyncio.run(go(mem))

@@ -78,11 +78,28 @@ def test_graph_routes_and_cross_tenant_matrix(any_svc: Service) -> None:
         r = svc.call(who, "POST", "/v1/relations/end", json={"subject": SECRET, "predicate": "works_at"})
         assert r.status_code == 404
         seen.append(r.text)
+        for target in (eid, SECRET):  # nor delete it, by id or by name
+            r = svc.call(who, "DELETE", f"/v1/entities/{target}")
+            assert r.status_code == 404, (who, r.text)
+            seen.append(r.text)
     for text in seen:  # a 404 names what was asked for, never what A holds
         assert "Globex" not in text and "Lisbon" not in text and new["id"] not in text
     # A's graph is as it was
     still = svc.call(a, "GET", "/v1/relations", params={"subject": SECRET}).json()["items"]
     assert [r["object"] for r in still] == ["Globex"] and still[0]["valid_to"] is None
+
+    # A deletes an entity: its relations go with it, and it answers what went
+    globex = next(e["id"] for e in ents if e["name"] == "Globex")
+    gone = svc.call(a, "DELETE", f"/v1/entities/{globex}", params={"user_id": "u1"})
+    assert gone.status_code == 200, gone.text
+    body = gone.json()
+    assert [e["name"] for e in body["entities"]] == ["Globex"]
+    assert {(r["subject"], r["object"]) for r in body["relations"]} == {(SECRET, "Globex"),
+                                                                       ("Globex", "Lisbon")}
+    assert svc.call(a, "GET", f"/v1/entities/{globex}").status_code == 404
+    assert svc.call(a, "DELETE", f"/v1/entities/{globex}").status_code == 404
+    left = svc.call(a, "GET", "/v1/relations", params={"history": True}).json()["items"]
+    assert [r["object"] for r in left] == ["Acme"]
 
 
 def test_the_graph_routes_are_in_openapi(any_svc: Service) -> None:
@@ -91,3 +108,4 @@ def test_the_graph_routes_are_in_openapi(any_svc: Service) -> None:
                   "/v1/graph/neighbours", "/v1/graph/path"):
         assert route in doc["paths"], route
     assert "post" in doc["paths"]["/v1/relations"]
+    assert "delete" in doc["paths"]["/v1/entities/{id}"]

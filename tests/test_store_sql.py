@@ -152,7 +152,8 @@ def test_the_lexical_index_statements_bind_exactly_their_parameters() -> None:
 
 def test_the_tokens_are_the_sqlite_index_tokens() -> None:
     """The PostgreSQL store tokenises with the SQLite index's own tokenizer, configured alike."""
-    ddl = " ".join(s for _, stmts in lite_schema.MIGRATIONS for s in stmts if "memory_fts" in s)
+    ddl = " ".join(s for _, stmts in lite_schema.MIGRATIONS for s in stmts
+                   if isinstance(s, str) and "memory_fts" in s)
     assert f"tokenize='{bm25.TOKENIZE}'" in ddl
     tokenizer = bm25.Tokenizer()
     try:

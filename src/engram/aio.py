@@ -185,6 +185,10 @@ class AsyncMemory:
                                 summary=summary, attributes=attributes, user_id=user_id,
                                 agent_id=agent_id)
 
+    async def delete_entity(self, name: str, *, user_id: str | None = None,
+                            agent_id: str | None = None) -> Subgraph:
+        return await _in_thread(self.sync.delete_entity, name, user_id=user_id, agent_id=agent_id)
+
     async def entity(self, name: str, *, user_id: str | None = None, agent_id: str | None = None,
                      session_id: str | None = None, mentions: int = 5) -> EntityProfile:
         return await _in_thread(self.sync.entity, name, user_id=user_id, agent_id=agent_id,

@@ -381,6 +381,15 @@ class Memory:
                                aliases=entities.clean_aliases(aliases), summary=summary,
                                attributes=valid.metadata(attributes))
 
+    def delete_entity(self, name: str, *, user_id: str | None = None,
+                      agent_id: str | None = None) -> Subgraph:
+        """Remove the entity a name, alias or id names: its names and aliases, every relation
+        touching it (both directions, with their history) and its mentions. A DELETE event
+        (`history(entity_id)`) records that it went, without its name. Returns what was
+        removed: `Subgraph([entity], relations)`. NotFound if the owner has no such entity.
+        A later message, relation or extraction that names it again creates a new entity."""
+        return entities.delete(self._engine, valid.scope(user_id, agent_id, None), name)
+
     def entity(self, name: str, *, user_id: str | None = None, agent_id: str | None = None,
                session_id: str | None = None, mentions: int = 5) -> EntityProfile:
         """What is known about the entity a name, alias or id names: its type, aliases and

@@ -254,7 +254,9 @@ class Entity:
 
     `scope` is an owner (user_id, agent_id; never a session: an entity outlives a conversation).
     `aliases` are the other names it answers to (nicknames, acronyms); `provenance` the episodes
-    that mention it (through `Mention` rows) or that a relation of it came from.
+    that mention it (through `Mention` rows) or that a relation of it came from. `summary_by`
+    says who wrote the summary: "caller" (kept as written), "rules" (composed from its type,
+    aliases and relations, rewritten when they change), "llm" (generated), or "" (none yet).
     """
 
     id: str
@@ -267,10 +269,12 @@ class Entity:
     summary: str = ""
     attributes: dict[str, Any] = field(default_factory=dict)
     provenance: tuple[str, ...] = ()
+    summary_by: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "scope": self.scope.as_dict(), "name": self.name,
                 "type": self.type, "aliases": list(self.aliases), "summary": self.summary,
+                "summary_by": self.summary_by,
                 "attributes": self.attributes, "provenance": list(self.provenance),
                 "created_at": self.created_at.isoformat(),
                 "updated_at": self.updated_at.isoformat()}

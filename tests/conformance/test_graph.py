@@ -162,15 +162,133 @@ def test_a_database_made_before_the_graph_upgrades(tmp_path: Any, monkeypatch: A
     from engram.store.sqlite import SQLiteStore, schema
 
     path = tmp_path / "old.db"
+    graph = ("0003_graph", "0005_entity_keys")
     with monkeypatch.context() as m:
-        m.setattr(schema, "MIGRATIONS", [x for x in schema.MIGRATIONS if x[0] != "0003_graph"])
+        m.setattr(schema, "MIGRATIONS", [x for x in schema.MIGRATIONS if x[0] not in graph])
         SQLiteStore(path).close()
     new = SQLiteStore(path)
     try:
-        assert new.migrations() == [name for name, _ in schema.MIGRATIONS if name != "0003_graph"] \
-            + ["0003_graph"]
+        assert new.migrations() == [name for name, _ in schema.MIGRATIONS if name not in graph] \
+            + list(graph)
         a = ent("Ana")
         put(new, a)
         assert new.read_entities(EntitySelect(U)) == [a]
     finally:
         new.close()
+
+
+# -- 0005_entity_keys: one entity per name, duplicates an older version made merged -----------------
+
+def _old_graph(d: Any, run: Any, tenant: str) -> dict[str, Any]:
+    """Rows as a version before 0005 wrote them: one entity twice (two writers raced), a name
+    shared by two types, and another owner's namesake."""
+    from engram.pipeline import graph as pg
+    from engram.store import graph as sg
+
+    ana1 = ent("Ana", aliases=("Annie",), summary="a nurse", provenance=("ep1",))
+    ana2 = ent("ana", type="entity", aliases=("Ana S.",), provenance=("ep2",))
+    acme, place, person = ent("Acme", type="organization"), ent("Paris", type="place"), \
+        ent("Paris", type="person")
+    theirs = ent("Ana", scope=V)
+    cols = ["tenant", *sg.ENTITY_COLUMNS[:-1]] if d.tenant else list(sg.ENTITY_COLUMNS[:-1])
+    for e in (ana1, ana2, acme, place, person, theirs):
+        values = sg.entity_values(d, e)[:-1]
+        run(f"INSERT INTO entities ({', '.join(cols)}) VALUES ({d.marks(len(cols))})",
+            [tenant, *values] if d.tenant else values)
+        for stmt in sg.put_names(d, tenant, e, pg.name_keys(e.name, e.aliases)):
+            run(*stmt)
+    works, lives = rel(ana2, "works_at", acme), rel(ana1, "lives_in", place)
+    for r in (works, lives):
+        run(*sg.upsert_relation(d, tenant, r))
+    for episode, e in (("ep1", ana1), ("ep1", ana2), ("ep2", ana2)):
+        run(*sg.insert_mention(d, tenant, Mention(episode, e.id, U, T0)))
+    return {"ana1": ana1, "ana2": ana2, "place": place, "person": person, "theirs": theirs,
+            "works": works}
+
+
+def _check_merged(store: Store, old: dict[str, Any]) -> None:
+    ana1, ana2 = old["ana1"], old["ana2"]
+    assert "0005_entity_keys" in store.migrations()
+    mine = {e.id: e for e in store.read_entities(EntitySelect(U, exact=True))}
+    assert ana2.id not in mine and sorted(e.name for e in mine.values()) == \
+        ["Acme", "Ana", "Paris", "Paris"]
+    ana = mine[ana1.id]
+    assert ana.aliases == ("Annie", "Ana S.") and ana.provenance == ("ep1", "ep2")
+    assert (ana.type, ana.summary, ana.summary_by) == ("person", "a nurse", "caller")
+    assert {old["place"].id, old["person"].id} <= set(mine)  # two types: two entities
+    assert [r.subject for r in store.read_relations(RelationSelect(U, ids=(old["works"].id,),
+                                                                   seen="all"))] == [ana1.id]
+    assert sorted(m.episode_id for m in store.read_mentions(U, entity_ids=[ana1.id])) == ["ep1", "ep2"]
+    assert store.read_mentions(U, entity_ids=[ana2.id]) == []
+    assert store.match_names(U, ["ana s"]) == [("ana s", ana1.id)]
+    assert [e.id for e in store.read_entities(EntitySelect(V))] == [old["theirs"].id]
+    with store.write() as tx:  # the key is unique now: a new "Ana" of U finds the old one
+        fresh = ent("ANA")
+        assert tx.add_entity(fresh, [("ana", "name")], "ana") == ana1.id
+        assert tx.add_entity(ent("Paris", type="person"), [], "paris#person") == old["person"].id
+        assert tx.add_entity(fresh, [("ana", "name")], "ana#robot") == fresh.id
+
+
+def test_sqlite_merges_the_duplicates_of_an_older_version(tmp_path: Any, monkeypatch: Any) -> None:
+    import sqlite3
+    from contextlib import closing
+
+    from engram.store.sqlite import SQLiteStore, schema
+    from engram.store.sqlite import sql as lite
+
+    path = tmp_path / "old.db"
+    with monkeypatch.context() as m:
+        m.setattr(schema, "MIGRATIONS", [x for x in schema.MIGRATIONS if x[0] != "0005_entity_keys"])
+        SQLiteStore(path).close()
+    with closing(sqlite3.connect(path)) as conn, conn:
+        old = _old_graph(lite.DIALECT, conn.execute, "")
+    new = SQLiteStore(path)
+    try:
+        _check_merged(new, old)
+    finally:
+        new.close()
+
+
+def test_postgres_merges_the_duplicates_of_an_older_version(tmp_path: Any, monkeypatch: Any,
+                                                            pg_server: Any) -> None:
+    import psycopg
+
+    from engram.store.postgres import PostgresStore, schema
+    from engram.store.postgres import sql as pgsql
+
+    db = pg_server.database_for(tmp_path)
+    with monkeypatch.context() as m:
+        m.setattr(schema, "MIGRATIONS", [x for x in schema.MIGRATIONS if x[0] != "0005_entity_keys"])
+        PostgresStore(db).close()
+    with psycopg.connect(db) as conn:
+        olds = {}
+        for tenant in ("", "b"):  # each tenant's entities are merged among themselves only
+            conn.execute("SELECT set_config('engram.tenant', %s, false)", (tenant,))
+            olds[tenant] = _old_graph(pgsql.DIALECT, conn.execute, tenant)
+    new = PostgresStore(db)
+    other = new.for_tenant("b")
+    try:
+        _check_merged(new, olds[""])
+        _check_merged(other, olds["b"])
+    finally:
+        other.close()
+        new.close()
+
+
+def test_add_entity_is_unique_by_owner_and_key(store: Store) -> None:
+    a = ent("Ana")
+    with store.write() as tx:
+        assert tx.add_entity(a, [("ana", "name")], "ana") == a.id
+        assert tx.add_entity(ent("ANA"), [("ana", "name")], "ana") == a.id  # taken: nothing written
+        for scope in (V, Scope("u", "bot"), Scope(None, "bot")):  # other owners: their own key
+            other = ent("Ana", scope=scope)
+            assert tx.add_entity(other, [("ana", "name")], "ana") == other.id
+        typed = ent("Ana", type="robot")
+        assert tx.add_entity(typed, [("ana", "name")], "ana#robot") == typed.id
+    found = store.read_entities(EntitySelect(U, exact=True))
+    assert sorted(e.id for e in found) == sorted([a.id, typed.id])
+    assert len(store.match_names(V, ["ana"])) == 1  # the index rows of what was inserted only
+    with store.write() as tx:  # an update by id keeps the key
+        tx.put_entity(Entity(**{**a.__dict__, "aliases": ("Annie",)}),
+                      [("ana", "name"), ("annie", "alias")])
+        assert tx.add_entity(ent("Ana"), [], "ana") == a.id

@@ -1,5 +1,5 @@
-"""The knowledge graph commands of `engram`: entities, entity and relations (and relate), each
-one `Memory` call with its output as a rich table or, with --json, as JSON."""
+"""The knowledge graph commands of `engram`: entities, entity (and its --delete), relations and
+relate, each one `Memory` call with its output as a rich table or, with --json, as JSON."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ import typer
 from ..model import Relation
 from . import output
 from .base import (
+    EXIT_NOT_FOUND,
     AgentOpt,
     DbOpt,
     JsonOpt,
     LimitOpt,
+    State,
     UserOpt,
+    fail,
     guard,
     open_memory,
     parse_time,
@@ -50,9 +53,16 @@ def entities(ctx: typer.Context,
 def entity(ctx: typer.Context,
            name: Annotated[str, typer.Argument(help="A name, alias or entity id.")],
            user: UserOpt = None, agent: AgentOpt = None,
+           delete: Annotated[bool, typer.Option(
+               "--delete", help="Remove it, its relations and its mentions.")] = False,
+           yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
            db: DbOpt = None, as_json: JsonOpt = False) -> None:
-    """What is known about one entity: type, aliases, what holds now, recent mentions."""
+    """What is known about one entity: type, aliases, what holds now, recent mentions (or,
+    with --delete, remove it)."""
     st = state(ctx, db, as_json)
+    if delete:
+        _delete(st, name, user, agent, yes)
+        return
     with open_memory(st) as mem:
         prof = mem.entity(name, user_id=user, agent_id=agent)
     if st.json:
@@ -67,6 +77,29 @@ def entity(ctx: typer.Context,
     _relations_table(prof.relations, "what holds now")
     for m in prof.mentions:
         con.print(output.text(f"  [{output.date(m.observed_at)}] {m.name or m.role}: {m.text}"))
+
+
+def _delete(st: State, name: str, user: str | None, agent: str | None, yes: bool) -> None:
+    import click
+
+    with open_memory(st) as mem:
+        if not yes:
+            e = mem.entity(name, user_id=user, agent_id=agent).entity
+            try:
+                ok = click.confirm(f"Delete the entity {e.name} ({e.id}) with its relations and "
+                                   "mentions?", err=True)
+            except click.Abort:
+                typer.echo("", err=True)
+                ok = False
+            if not ok:
+                fail("not confirmed; nothing was deleted", EXIT_NOT_FOUND)
+            name = e.id
+        gone = mem.delete_entity(name, user_id=user, agent_id=agent)
+    if st.json:
+        print_json(gone.to_dict())
+        return
+    e = gone.entities[0]
+    typer.echo(f"deleted {e.name} ({e.id}) and {len(gone.relations)} relations")
 
 
 def relations(ctx: typer.Context,

@@ -25,7 +25,9 @@ Deletions are soft deletes (a DELETE event each; `Memory.history` keeps them).
 The same writes also go to engram's real knowledge graph (`Memory.relate`, `upsert_entity`;
 docs/graph.md), so `entity`, `relations` and `neighbours` — and the graph retriever — see what
 the reference tools wrote: a created entity is upserted with its type, a created relation is
-related, a deleted relation is retracted. `migrate` mirrors a graph written before that.
+related, a deleted relation is retracted, a deleted entity is deleted there too (with its
+relations and mentions; `unmirror`). Observations have no counterpart in the real graph:
+deleting one touches only its memory. `migrate` mirrors a graph written before that.
 The reference tools keep reading the records above: they compare names exactly, while the real
 graph resolves them (`ana` and `Ana` are one entity there).
 """
@@ -159,7 +161,9 @@ def delete_entities(mem: Memory, names: Sequence[str], scope: Scope) -> tuple[li
     records += _relation_records(mem, scope, "to", wanted)
     _delete(mem, records, scope)
     asked = list(dict.fromkeys(names))
-    return [n for n in asked if n in present], [n for n in asked if n not in present]
+    deleted = [n for n in asked if n in present]
+    unmirror(mem, deleted, scope)
+    return deleted, [n for n in asked if n not in present]
 
 
 def delete_observations(mem: Memory, deletions: Sequence[tuple[str, Sequence[str]]],
@@ -329,6 +333,42 @@ def mirror(mem: Memory, graph: Graph, scope: Scope) -> tuple[int, int]:
     for r in graph.relations:
         mem.relate(r.source, r.relation_type, r.target, single=False, **_owner(scope))
     return len(graph.entities), len(graph.relations)
+
+
+def unmirror(mem: Memory, names: Sequence[str], scope: Scope) -> list[str]:
+    """Delete from the real graph the entities that these deleted names resolve to (with
+    their relations and mentions: `Memory.delete_entity`); returns their ids. One stays when
+    a reference entity that is still there resolves to it too: the real graph resolves names
+    (`ana` and `Ana` are one entity there, two here), so deleting `ana` must not take `Ana`."""
+    targets: dict[str, set[str]] = {}
+    for name in names:
+        with contextlib.suppress(NotFound):  # the real graph never had it (written before)
+            e = mem.entity(name, **_owner(scope), mentions=1).entity
+            targets[e.id] = _words(e.name, *e.aliases)
+    if targets:
+        for rec in _records(mem, scope, {KG: ENTITY}):
+            other = rec.metadata["entity"]
+            near = [eid for eid, words in targets.items() if words & _words(other)]
+            if near:  # shares a word with a target's names: ask the real graph which it is
+                with contextlib.suppress(NotFound):
+                    targets.pop(mem.entity(other, **_owner(scope), mentions=1).entity.id, None)
+    gone = []
+    for eid in targets:
+        with contextlib.suppress(NotFound):  # deleted meanwhile by another caller
+            mem.delete_entity(eid, **_owner(scope))
+            gone.append(eid)
+    return gone
+
+
+def _words(*names: str) -> set[str]:
+    """The words of names as the real graph compares them, roughly (case, accents and dots
+    dropped): a cheap filter before asking it."""
+    out: set[str] = set()
+    for name in names:
+        text = unicodedata.normalize("NFKD", name.replace(".", ""))
+        text = "".join(c for c in text if not unicodedata.combining(c)).casefold()
+        out |= set(re.findall(r"\w+", text))
+    return out
 
 
 def migrate(mem: Memory, scope: Scope) -> tuple[int, int]:

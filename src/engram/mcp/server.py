@@ -281,7 +281,8 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
         entityNames: Annotated[list[str], Field(description="Names of the entities to delete")],  # noqa: N803
         ctx: Context,
     ) -> Annotated[CallToolResult, DeleteResult]:
-        """Delete entities with their observations and relations (soft: kept in the history)."""
+        """Delete entities with their observations and relations (soft: kept in the history);
+        the knowledge graph's entity goes too, with its relations and mentions."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
             deleted, missing = graph.delete_entities(mem, entityNames, owner)
             message = ("Entities deleted successfully" if not missing else

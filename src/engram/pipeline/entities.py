@@ -9,15 +9,17 @@ transaction, and writes what they decide.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
-from ..errors import InvalidInput, NotFound, ProviderError
+from .. import redact as redaction
+from ..errors import InvalidInput, NotFound, ProviderError, StoreError
 from ..model import (
     Entity,
     EntityProfile,
@@ -34,6 +36,7 @@ from ..model import (
 )
 from ..providers.llms import LLM
 from ..store import EntitySelect, RelationSelect, Store, Tx
+from . import extract as extraction
 from . import graph as g
 from .engine import Engine
 
@@ -141,45 +144,225 @@ def clean_aliases(aliases: Any) -> tuple[str, ...]:
 def upsert(engine: Engine, scope: Scope, name: str, *, type: str | None = None,
            aliases: Sequence[str] = (), summary: str | None = None,
            attributes: Mapping[str, Any] | None = None, provenance: Sequence[str] = (),
-           tx: Tx | None = None) -> Entity:
+           tx: Tx | None = None, llm_summary: bool = True) -> Entity:
     """The entity `name` of the owner: resolved (staged) and updated with what is given, or
-    created. Aliases accumulate; the type of an untyped entity is set once known."""
+    created. Aliases accumulate; the type of an untyped entity is set once known. A summary
+    given here is the caller's and is kept as written (`summary=""` hands it back to the
+    rules); otherwise the rules summary follows the type and aliases."""
     scope = owner(scope)
     name = _clean(name, "name")
     typ = _clean(type, "type", max_chars=64).casefold() if type is not None else ""
     aliases = clean_aliases(aliases)
+    if summary is not None:
+        if not isinstance(summary, str):
+            raise InvalidInput("summary must be a string")
+        if len(summary) > MAX_CALLER_SUMMARY or "\x00" in summary:
+            raise InvalidInput(f"summary must be at most {MAX_CALLER_SUMMARY} characters, "
+                               "without NUL")
+    by = "" if summary is None else "caller" if summary.strip() else ""
     vector = engine.embedder.embed_batch([name])[0]
     res, entities = resolve(engine, scope, name, typ, aliases, vector)
     now = utcnow()
+    store = engine.store
+    new: Entity | None = None
     if res.entity is not None:
-        old = entities.get(res.entity) or engine.store.read_entities(
-            EntitySelect(ids=(res.entity,)))[0]
+        old = entities.get(res.entity) or store.read_entities(EntitySelect(ids=(res.entity,)))[0]
         extra = [a for a in (name, *aliases)
                  if g.normalise(a) != g.normalise(old.name) and a not in old.aliases]
         new = replace(old, aliases=(*old.aliases, *extra),
                       type=old.type if old.type not in g.GENERIC_TYPES else typ or old.type,
-                      summary=old.summary if summary is None else summary,
+                      summary=old.summary if summary is None else summary.strip(),
+                      summary_by=old.summary_by if summary is None else by,
                       attributes={**old.attributes, **(attributes or {})},
                       provenance=tuple(dict.fromkeys((*old.provenance, *provenance))),
                       updated_at=now)
-        if new != old:
-            _put(engine, new, None, tx)
-        return new
-    entity = Entity(id=new_id(), scope=scope, name=name, type=typ or "entity", aliases=aliases,
-                    summary=summary or "", attributes=dict(attributes or {}),
-                    provenance=tuple(dict.fromkeys(provenance)), created_at=now, updated_at=now)
-    _put(engine, entity, vector, tx)
-    log.info("entity %s %r (%s): %s", entity.id, name, entity.type, res.why)
+        if new == replace(old, updated_at=now):
+            return old  # nothing new: no write
+    with _write(engine, tx) as w:
+        if new is not None:
+            w.put_entity(new, g.name_keys(new.name, new.aliases))
+            entity = new
+        else:
+            entity = create(store, w, Entity(
+                id=new_id(), scope=scope, name=name, type=typ or "entity", aliases=aliases,
+                summary=(summary or "").strip(), summary_by=by,
+                attributes=dict(attributes or {}), provenance=tuple(dict.fromkeys(provenance)),
+                created_at=now, updated_at=now), vector)
+            log.info("entity %s %r (%s): %s", entity.id, name, entity.type, res.why)
+        entity = refresh(store, w, [entity.id], now).get(entity.id, entity)
+    if tx is None and llm_summary:
+        summarize(engine, [entity.id])
     return entity
 
 
-def _put(engine: Engine, entity: Entity, vector: np.ndarray | None, tx: Tx | None) -> None:
-    keys = g.name_keys(entity.name, entity.aliases)
+@contextmanager
+def _write(engine: Engine, tx: Tx | None) -> Iterator[Tx]:
+    """The caller's transaction, or a new one."""
     if tx is not None:
-        tx.put_entity(entity, keys, vector)
+        yield tx
         return
     with engine.store.write() as own:
-        own.put_entity(entity, keys, vector)
+        yield own
+
+
+def create(store: Store, tx: Tx, entity: Entity, vector: np.ndarray | None) -> Entity:
+    """Inside a write: insert a new entity under its claim key, or, when its owner has an
+    entity of that name already (another writer created it after this one's resolution read
+    the index), merge what this one adds into that one and return it. The unique index makes
+    this hold across threads and processes: two writers naming one new entity end with one."""
+    for key in g.claim_keys(entity.name, entity.type):
+        holder = tx.add_entity(entity, g.name_keys(entity.name, entity.aliases), key, vector)
+        if holder == entity.id:
+            return entity
+        held = store.read_entities(EntitySelect(ids=(holder,)))[0]
+        if g.compatible(held.type, entity.type):
+            merged = g.absorb(held, entity)
+            if merged != held:
+                tx.put_entity(merged, g.name_keys(merged.name, merged.aliases))
+            log.info("entity %r exists already (%s): merged into it", entity.name, held.id)
+            return merged
+    raise StoreError(f"entity {entity.name!r}: both claim keys are held by another type")
+
+
+# -- summaries -----------------------------------------------------------------------------------
+
+RULES, LLM_SUMMARY, CALLER = "rules", "llm", "caller"
+MAX_CALLER_SUMMARY = 2000  # characters of a summary a caller writes (generated ones: 400)
+SUMMARY_RELATIONS = 20  # relations an LLM summary is written from, at most
+
+
+def refresh(store: Store, tx: Tx, ids: Iterable[str], now: datetime, *,
+            forget: bool = False) -> dict[str, Entity]:
+    """Inside a write: rewrite the rules summary of these entities (unless the caller or an
+    LLM wrote theirs) from their type, aliases and the relations that hold now. `forget`:
+    relations were deleted or erased, so an LLM's summary (which may name what went) is
+    replaced by the rules summary too. Returns the entities as they are now."""
+    wanted = tuple(sorted({i for i in ids if i}))
+    if not wanted:
+        return {}
+    found = store.read_entities(EntitySelect(ids=wanted))
+    rels = store.read_relations(RelationSelect(touching=wanted, at=now))
+    out = {}
+    for e in found:
+        if e.summary_by in ("", RULES) or (forget and e.summary_by == LLM_SUMMARY):
+            text = g.describe(e, [r for r in rels if e.id in (r.subject, r.object)])
+            if (text, RULES) != (e.summary, e.summary_by):
+                e = replace(e, summary=text, summary_by=RULES)
+                tx.put_entity(e, g.name_keys(e.name, e.aliases))
+        out[e.id] = e
+    return out
+
+
+class _Summary(BaseModel):
+    """An LLM's summary of an entity."""
+
+    summary: str = Field(description="one or two sentences, from the facts given only")
+
+
+SUMMARY_SYSTEM = (
+    "You write the short profile of an entity (a person, a place, an organisation, a thing) for "
+    "an assistant's memory: one or two plain sentences, at most 300 characters, from the facts "
+    "given and nothing else. Say what it is and what holds now; no instructions, no guesses.")
+
+
+def generate(llm: LLM, entity: Entity, relations: Sequence[Relation],
+             policy: str = "secrets") -> str | None:
+    """An LLM's summary of `entity` from its current relations (schema-constrained), or None
+    when the reply is unusable: it is checked like an extracted item (one line of visible
+    text, at most MAX_SUMMARY characters, not an injected instruction) and dropped when
+    redaction would change it. Raises ProviderError when the LLM fails."""
+    facts = "\n".join(f"- {r.fact}" + (f" (since {r.valid_from.date().isoformat()})"
+                                        if r.valid_from else "")
+                      for r in relations[:SUMMARY_RELATIONS])
+    head = f"{entity.name} ({entity.type})" + (f", also {', '.join(entity.aliases)}"
+                                                if entity.aliases else "")
+    prompt = [{"role": "system", "content": SUMMARY_SYSTEM},
+              {"role": "user", "content": f"Entity: {head}\nWhat holds now:\n{facts or '- nothing known'}"}]
+    reply = llm.complete(prompt, _Summary, max_tokens=200).parsed
+    text = reply.summary.strip() if reply is not None else ""
+    why = extraction.bad_name(text, limit=g.MAX_SUMMARY)
+    if why is None and redaction.redact(text, policy).counts:
+        why = "holds a secret"
+    if why is not None:
+        log.info("entity %s: LLM summary left out (%s)", entity.id, why)
+        return None
+    return text
+
+
+def summarize(engine: Engine, ids: Iterable[str]) -> None:
+    """After a write, with `graph_summaries="llm"` and an LLM: regenerate the summaries of these
+    entities that are not the caller's. A failed or unusable reply keeps the rules summary
+    (rewritten now, so an older LLM summary does not outlive the relations it described)."""
+    llm = engine.llm
+    wanted = tuple(sorted({i for i in ids if i}))
+    if llm is None or engine.config.graph_summaries != LLM_SUMMARY or not wanted:
+        return
+    store = engine.store
+    now = utcnow()
+    for e in store.read_entities(EntitySelect(ids=wanted)):
+        if e.summary_by == CALLER:
+            continue
+        rels = store.read_relations(RelationSelect(touching=(e.id,), at=now))
+        try:
+            text = generate(llm, e, rels, engine.config.redact)
+        except ProviderError as exc:
+            log.info("entity %s: LLM summary unavailable (%s)", e.id, exc)
+            text = None
+        with store.write() as tx:
+            current = store.read_entities(EntitySelect(ids=(e.id,)))
+            if not current or current[0].summary_by == CALLER:
+                continue  # deleted, or the caller wrote one meanwhile
+            if text is None:
+                fallback = replace(current[0], summary_by=RULES)
+                tx.put_entity(fallback, g.name_keys(fallback.name, fallback.aliases))
+                refresh(store, tx, [e.id], now)
+            else:
+                done = replace(current[0], summary=text, summary_by=LLM_SUMMARY)
+                tx.put_entity(done, g.name_keys(done.name, done.aliases))
+
+
+def ends(relations: Iterable[Relation]) -> set[str]:
+    """The entities at either end of these relations."""
+    return {x for r in relations for x in (r.subject, r.object) if x}
+
+
+def shown(e: Entity, relations: Sequence[Relation], *, dates: bool = False) -> str:
+    """The summary to show: the caller's or the LLM's as written, else the rules summary of
+    the relations that hold now (exact at read time: a relation may have ended since)."""
+    if e.summary_by in (CALLER, LLM_SUMMARY):
+        return e.summary
+    return g.describe(e, [r for r in relations if e.id in (r.subject, r.object)], dates=dates)
+
+
+# -- delete --------------------------------------------------------------------------------------
+
+DELETED = "entity deleted"  # the reason of a deleted entity's DELETE event
+
+
+def delete(engine: Engine, scope: Scope, name: str) -> Subgraph:
+    """Remove the entity a name, alias or id names, with its index rows, every relation
+    touching it (both directions, with their history) and its mentions; a DELETE event keeps
+    that it was deleted and what went (ids and counts, never its name: an erasure needs
+    nothing from it). Returns what was removed: the entity and its relations. NotFound if the
+    owner has no such entity. The entity is not a tombstone: a later message, relation or
+    extraction that names it again creates it anew."""
+    scope = owner(scope)
+    store = engine.store
+    now = utcnow()
+    with store.write() as tx:
+        e = find(store, scope, name)
+        rels = store.read_relations(RelationSelect(scope, touching=(e.id,), seen="all"))
+        mentioned = store.mention_counts(scope, [e.id]).get(e.id, 0)
+        tx.erase_graph([e.id], [])
+        others = {x for r in rels for x in (r.subject, r.object) if x and x != e.id}
+        refresh(store, tx, others, now, forget=True)
+        tx.append(Event(id=new_id(), memory_id=e.id, type=EventType.DELETE, at=now, scope=e.scope,
+                        before={"id": e.id, "type": e.type, "relations": [r.id for r in rels],
+                                "mentions": mentioned},
+                        reason=DELETED))
+    log.info("entity %s deleted: %d relations, %d mentions", e.id, len(rels), mentioned)
+    summarize(engine, others)
+    return Subgraph([e], rels)
 
 
 def find(store: Store, scope: Scope, name: str) -> Entity:
@@ -248,9 +431,10 @@ def relate(engine: Engine, scope: Scope, subject: str, predicate: str, obj: Targ
     start = valid_from or observed_at or now
     cfg = engine.config
     one = g.single_valued(pred, single=cfg.graph_single, multi=cfg.graph_multi, flag=single)
-    subj = upsert(engine, scope, subject, type=subject_type, provenance=provenance)
-    other = upsert(engine, scope, obj.name, type=obj.type, provenance=provenance) \
-        if obj.name is not None else None
+    subj = upsert(engine, scope, subject, type=subject_type, provenance=provenance,
+                  llm_summary=False)
+    other = upsert(engine, scope, obj.name, type=obj.type, provenance=provenance,
+                   llm_summary=False) if obj.name is not None else None
     value = obj.value
     store = engine.store
     with store.write() as tx:
@@ -286,7 +470,10 @@ def relate(engine: Engine, scope: Scope, subject: str, predicate: str, obj: Targ
                              reason=f"{pred} is single-valued: superseded by {rel.id}"))
         tx.put_relation(rel)
         tx.append(_event(EventType.ADD, rel, now, reason="related"))
+        touched = {subj.id, rel.object or "", *(old.object or "" for old, _ in spot.closes)}
+        refresh(store, tx, touched, now)
     log.info("relation %s: %s", rel.id, rel.fact)
+    summarize(engine, touched)
     return rel
 
 
@@ -320,6 +507,9 @@ def unrelate(engine: Engine, scope: Scope, subject: str, predicate: str,
             tx.append(_event(EventType.DELETE if retract else EventType.UPDATE, done, now,
                              before=r, reason="retracted" if retract else "ended by unrelate"))
             out.append(done)
+        touched = {subj.id, *(r.object or "" for r in out)}
+        refresh(engine.store, tx, touched, now)
+    summarize(engine, touched)
     return out
 
 
@@ -415,6 +605,8 @@ def profile(store: Store, scope: Scope, name: str, mentions: int = 5) -> EntityP
     records = store.get([m.episode_id for m in found])
     recent = [records[m.episode_id] for m in found if m.episode_id in records
               and records[m.episode_id].deleted_at is None]
+    if e.summary_by not in (CALLER, LLM_SUMMARY):  # the rules summary, exact now
+        e = replace(e, summary=shown(e, rels), summary_by=RULES)
     return EntityProfile(e, rels, recent)
 
 
@@ -494,7 +686,8 @@ def link(engine: Engine, tx: Tx, records: Sequence[MemoryRecord], speakers: Spea
         e = Entity(id=new_id(), scope=scope, name=name, type=SPEAKER_TYPE, created_at=now,
                    updated_at=now, provenance=tuple(r.id for r in episodes
                                                     if r.name and r.name.strip() == name)[:1])
-        tx.put_entity(e, g.name_keys(name), vec)
+        e = create(store, tx, e, vec)
+        refresh(store, tx, [e.id], now)
         made[(scope, g.normalise(name))] = e.id
     mentions: list[Mention] = []
     by_owner: dict[Scope, list[MemoryRecord]] = {}
@@ -535,8 +728,10 @@ def erase(store: Store, tx: Tx, erased: Sequence[str], scope: Scope, *, whole: b
         own = owner(scope)
         ents = [e.id for e in store.read_entities(EntitySelect(own))]
         rels = [r.id for r in store.read_relations(RelationSelect(own, seen="all"))]
+        deleted = [e.memory_id for e in store.events_of(EventType.DELETE.value, own, limit=100_000)
+                   if e.reason == DELETED and e.memory_id]  # their events hold the owner's ids
         tx.drop_mentions(list(erased))
-        tx.erase_graph(ents, rels)
+        tx.erase_graph([*ents, *deleted], rels)
         return
     if not gone:
         return
@@ -544,6 +739,7 @@ def erase(store: Store, tx: Tx, erased: Sequence[str], scope: Scope, *, whole: b
     touched = store.read_mentions(Scope(own.user_id, own.agent_id), episode_ids=sorted(gone))
     tx.drop_mentions(sorted(gone))
     drop_rels: list[str] = []
+    affected: set[str] = set()  # entities whose relations change: their summaries follow
     for r in store.read_relations(RelationSelect(own, seen="all")):
         if r.provenance and gone.intersection(r.provenance):
             left = tuple(p for p in r.provenance if p not in gone)
@@ -551,6 +747,7 @@ def erase(store: Store, tx: Tx, erased: Sequence[str], scope: Scope, *, whole: b
                 tx.put_relation(replace(r, provenance=left))
             else:
                 drop_rels.append(r.id)
+                affected |= {r.subject, r.object or ""}
     candidates = {m.entity_id for m in touched}
     drop_ents: list[str] = []
     for e in store.read_entities(EntitySelect(own)):
@@ -566,7 +763,11 @@ def erase(store: Store, tx: Tx, erased: Sequence[str], scope: Scope, *, whole: b
             left = (others[0].episode_id,)  # its remaining evidence
         if left != e.provenance:
             tx.put_entity(replace(e, provenance=left), g.name_keys(e.name, e.aliases))
+    if drop_ents:  # their relations go with them: the other ends' summaries follow
+        for r in store.read_relations(RelationSelect(own, touching=tuple(drop_ents), seen="all")):
+            affected |= {r.subject, r.object or ""}
     tx.erase_graph(drop_ents, drop_rels)
+    refresh(store, tx, affected - set(drop_ents), utcnow(), forget=True)
 
 
 # -- context -------------------------------------------------------------------------------------
@@ -587,9 +788,12 @@ def in_play(engine: Engine, text: str, scope: Scope, limit: int) -> list[tuple[s
         if e is None:
             continue
         head = f"{e.name} ({e.type}" + (f"; also {', '.join(e.aliases)}" if e.aliases else "") + ")"
-        facts = [r.fact + (f" (since {r.valid_from.date().isoformat()})" if r.valid_from else "")
-                 for r in rels if eid in (r.subject, r.object)][:8]
-        out.append((eid, head, "; ".join(([e.summary] if e.summary else []) + facts)))
+        if e.summary_by in (CALLER, LLM_SUMMARY):  # a written summary, then what holds now
+            facts = [r.fact + (f" (since {r.valid_from.date().isoformat()})" if r.valid_from else "")
+                     for r in rels if eid in (r.subject, r.object)][:8]
+            out.append((eid, head, "; ".join(([e.summary] if e.summary else []) + facts)))
+        else:  # the rules summary says what holds now, with dates
+            out.append((eid, head, shown(e, rels, dates=True)))
     return out
 
 
@@ -697,8 +901,24 @@ def commit(engine: Engine, tx: Tx, staged: Staged) -> list[Relation]:
     store = engine.store
     now = utcnow()
     cfg = engine.config
+    ids: dict[str, str] = {}  # a new entity another writer created meanwhile: that one's id
+    entities: dict[str, Entity] = {}
     for e in staged.entities.values():
-        tx.put_entity(e, g.name_keys(e.name, e.aliases), staged.vectors.get(e.id))
+        if e.id in staged.vectors:  # new when staged
+            made = create(store, tx, e, staged.vectors[e.id])
+            ids[e.id] = made.id
+            entities[made.id] = made
+        else:
+            tx.put_entity(e, g.name_keys(e.name, e.aliases))
+            entities[e.id] = e
+    if any(old != new for old, new in ids.items()):
+        staged = replace(
+            staged, entities=entities,
+            edges=tuple(replace(x, subject=ids.get(x.subject, x.subject),
+                                object=ids.get(x.object, x.object) if x.object else None)
+                        for x in staged.edges),
+            mentions=tuple(dict.fromkeys(replace(m, entity_id=ids.get(m.entity_id, m.entity_id))
+                                         for m in staged.mentions)))
     tx.put_mentions(list(staged.mentions))
     written: dict[str, Relation] = {}
     out = []
@@ -743,4 +963,5 @@ def commit(engine: Engine, tx: Tx, staged: Staged) -> list[Relation]:
         written[rel.id] = rel
         tx.append(_event(EventType.ADD, rel, now, reason="extracted"))
         out.append(rel)
+    refresh(store, tx, {*staged.entities, *(r.object or "" for r in written.values())}, now)
     return out

@@ -13,11 +13,11 @@ import unicodedata
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from ..model import Relation
+from ..model import Entity, Relation
 
 # -- names ---------------------------------------------------------------------------------------
 
@@ -111,6 +111,117 @@ def ngrams(text: str, n: int = MAX_NGRAM) -> list[str]:
             if j - i > 1 or (gram not in STOP and len(gram) >= 2):
                 out[gram] = None
     return list(out)
+
+
+def claim_keys(name: str, type: str) -> tuple[str, str]:
+    """The keys an owner's entities are unique by (the `entities.key` column): the name as
+    exact resolution compares it (`core`: "Acme Corp" and "Acme Inc." are one), and, when an
+    entity of another type holds that already ("Paris" the place, then "Paris" the person),
+    the same with the type. Two writers creating one new entity at once meet on the first key;
+    `#` never survives `normalise`, so a typed key never equals a plain one."""
+    base = core(name) or normalise(name) or name.strip().casefold()
+    return base, f"{base}#{type.casefold().strip() or 'entity'}"
+
+
+def absorb(keep: Entity, other: Entity) -> Entity:
+    """`keep` with what `other` (the same entity, written twice) adds: its names as aliases,
+    its type if `keep` has none, attributes (keep's win), provenance, a summary if keep has
+    none, and the earlier creation time."""
+    known = {normalise(keep.name)} | {normalise(a) for a in keep.aliases}
+    extra = []
+    for a in (other.name, *other.aliases):
+        if normalise(a) not in known:
+            known.add(normalise(a))
+            extra.append(a)
+    typed = keep.type.casefold() not in GENERIC_TYPES
+    summary, summary_by = (keep.summary, keep.summary_by) if keep.summary or not other.summary \
+        else (other.summary, other.summary_by)
+    return Entity(id=keep.id, scope=keep.scope, name=keep.name,
+                  type=keep.type if typed else other.type or keep.type,
+                  aliases=(*keep.aliases, *extra), summary=summary, summary_by=summary_by,
+                  attributes={**other.attributes, **keep.attributes},
+                  provenance=tuple(dict.fromkeys((*keep.provenance, *other.provenance))),
+                  created_at=min(keep.created_at, other.created_at),
+                  updated_at=max(keep.updated_at, other.updated_at))
+
+
+def dedupe(entities: Sequence[Entity]) -> tuple[dict[str, Entity], dict[str, str], dict[str, str]]:
+    """For a database made before entities were unique by name (two writers could create one
+    entity twice): which entities are one. Entities of one owner whose first claim key is
+    equal and whose types are compatible are merged into the oldest (same type first), as
+    resolution would have merged them one at a time; entities of incompatible types stay apart
+    and get the typed key. Returns (the merged survivors by id, duplicate id -> survivor id,
+    survivor id -> its claim key). Pure: the migration applies it."""
+    groups: dict[tuple[Any, str], list[Entity]] = {}
+    for e in sorted(entities, key=lambda e: e.id):
+        groups.setdefault((e.scope, claim_keys(e.name, e.type)[0]), []).append(e)
+    kept: dict[str, Entity] = {}
+    merged: dict[str, str] = {}
+    keys: dict[str, str] = {}
+    for (_, base), members in groups.items():
+        alive: list[Entity] = []
+        for e in members:
+            fits = [k for k in alive if compatible(k.type, e.type)]
+            fits.sort(key=lambda k: k.type.casefold() != e.type.casefold())
+            if fits:
+                into = absorb(fits[0], e)
+                alive[alive.index(fits[0])] = into
+                merged[e.id] = into.id
+            else:
+                alive.append(e)
+        for n, e in enumerate(alive):
+            kept[e.id] = e
+            keys[e.id] = base if n == 0 else claim_keys(e.name, e.type)[1]
+    return kept, merged, keys
+
+
+# -- summaries without an LLM --------------------------------------------------------------------
+
+SUMMARY_CLAUSES = 8   # relations a rules summary names at most
+MAX_SUMMARY = 400     # characters of a summary (rules or LLM)
+
+
+def describe(entity: Entity, relations: Sequence[Relation], *, dates: bool = False) -> str:
+    """The summary of an entity without an LLM, from its type, aliases and the relations that
+    hold now (`relations`: those touching it; the names are read from them), in a fixed
+    order: "A person, also called Ana and A. Silva. Works at Globex; likes tea, hiking. Bob
+    friend of Ana Silva." Deterministic: the same graph gives the same words. `dates`: each
+    relation with its start ("Works at Globex (since 2023-01-01)"), for the context block."""
+
+    def since(r: Relation) -> str:
+        return f" (since {r.valid_from.date().isoformat()})" if dates and r.valid_from else ""
+
+    out: list[str] = []
+    kind = "" if entity.type.casefold() in GENERIC_TYPES else entity.type
+    aliases = list(entity.aliases[:4])
+    called = (" and ".join(aliases) if len(aliases) <= 2
+              else ", ".join(aliases[:-1]) + " and " + aliases[-1])
+    if kind:
+        article = "An" if kind[:1].casefold() in "aeiou" else "A"
+        out.append(f"{article} {kind}" + (f", also called {called}." if aliases else "."))
+    elif aliases:
+        out.append(f"Also called {called}.")
+    live = sorted((r for r in relations if r.expired_at is None),
+                  key=lambda r: (r.valid_from is None, r.valid_from or r.created_at, r.id))
+    own: dict[str, list[str]] = {}
+    for r in live:
+        if r.subject == entity.id:
+            objects = own.setdefault(r.predicate, [])
+            if r.object_name + since(r) not in objects:
+                objects.append(r.object_name + since(r))
+    clauses = [f"{p.replace('_', ' ')} {', '.join(objs)}" for p, objs in own.items()]
+    incoming = list(dict.fromkeys(
+        f"{r.subject_name} {r.predicate.replace('_', ' ')} {entity.name}{since(r)}"
+        for r in live if r.object == entity.id and r.subject != entity.id))
+    clauses = clauses[:SUMMARY_CLAUSES]
+    incoming = incoming[:max(0, SUMMARY_CLAUSES - len(clauses))]
+    if clauses:
+        text = "; ".join(clauses)
+        out.append(text[:1].upper() + text[1:] + ".")
+    if incoming:
+        out.append("; ".join(incoming) + ".")
+    text = " ".join(out)
+    return text if len(text) <= MAX_SUMMARY else text[:MAX_SUMMARY - 1].rsplit(" ", 1)[0] + "…"
 
 
 # -- staged resolution ---------------------------------------------------------------------------

@@ -358,7 +358,8 @@ def learn_from(engine: Engine, scope: Scope, task: extraction.Task, limit: int |
                for item in learn(engine, eps, s, task, now, notes, graph)]
     with engine.store.write() as tx:
         stored, events = apply(engine, tx, learned, now)
-        apply_graph(engine, tx, graph)
+        related = apply_graph(engine, tx, graph)
+    entities.summarize(engine, entities.ends(related))  # with graph_summaries="llm" only
     total = redaction.add_counts(*(item.redacted for item in learned))
     said = redaction.describe(total)
     return AddResult(memories=stored, events=events,

@@ -277,7 +277,7 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
             events.append(ev)
         entities.link(engine, tx, [r for r in stored if r.kind is Kind.EPISODIC], speakers)
         facts, fact_events = learn.apply(engine, tx, learned, now)
-        learn.apply_graph(engine, tx, graph)
+        related = learn.apply_graph(engine, tx, graph)
         stored += facts
         events += fact_events
         events += evict(engine, tx, req.scope, now)
@@ -289,6 +289,7 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
         if job is not None:
             tx.put_job(replace(job, status=JobStatus.DONE, result=summary(result), error=None,
                                updated_at=now, lease_until=None))
+    entities.summarize(engine, entities.ends(related))  # with graph_summaries="llm" only
     return result
 
 

@@ -1,5 +1,5 @@
-"""The knowledge graph's /v1 routes: entities, relations (the s/p/o query, as of a time),
-neighbours, and relate / unrelate. Each handler makes one `Memory` call for the key's tenant,
+"""The knowledge graph's /v1 routes: entities (and their deletion), relations (the s/p/o query,
+as of a time), neighbours, and relate / unrelate. Each handler makes one `Memory` call for the key's tenant,
 as every route does (routes.py); the wire shapes are the `to_dict()` of the model's values."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class EntityOut(BaseModel):
     type: str
     aliases: list[str]
     summary: str
+    summary_by: str = Field(description='who wrote the summary: "caller", "rules" (from type, '
+                            'aliases and relations), "llm", or "" (none)')
     attributes: dict[str, Any]
     provenance: list[str]
     created_at: Time
@@ -119,6 +121,14 @@ def get_entity(id: MemoryId, ctx: Context, user_id: ScopeQ = None, agent_id: Sco
                mentions: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 5) -> Any:
     """An entity's profile, by id, name or alias."""
     return ctx.mem.entity(id, user_id=user_id, agent_id=agent_id, mentions=mentions).to_dict()
+
+
+@router.delete("/entities/{id}", response_model=SubgraphOut, responses=_errors(403, 404))
+def delete_entity(id: MemoryId, ctx: Context, user_id: ScopeQ = None,
+                  agent_id: ScopeQ = None) -> Any:
+    """Remove an entity (by id, name or alias) with its names, every relation touching it and
+    its mentions; answers what was removed. Naming it again later creates a new entity."""
+    return ctx.mem.delete_entity(id, user_id=user_id, agent_id=agent_id).to_dict()
 
 
 @router.get("/relations", response_model=RelationsOut)

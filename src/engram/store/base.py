@@ -250,6 +250,13 @@ class Tx(Protocol):
         """Insert or replace an entity (by id) and its index rows (normalised names, aliases,
         tokens); without `embedding` a stored one is kept."""
 
+    def add_entity(self, entity: Entity, keys: Sequence[tuple[str, NameKind]], key: str,
+                   embedding: np.ndarray | None = None) -> str:
+        """Insert a new entity (with its index rows) under its claim `key`, unless an entity of
+        the same owner holds that key already: then nothing is written. Returns the id of the
+        entity holding the key (`entity.id` when it was inserted). Owners' entities are unique
+        by key (a unique index), so two writers creating one entity at once end with one."""
+
     def put_relation(self, relation: Relation) -> None:
         """Insert or replace a relation (by id)."""
 

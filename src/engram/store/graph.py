@@ -18,7 +18,7 @@ from .base import EntitySelect, NameKind, RelationSelect
 from .records import Dialect, Stmt, Where, columns
 
 ENTITY_COLUMNS = ("id", "user_id", "agent_id", "name", "type", "aliases", "summary",
-                  "attributes", "provenance", "created_at", "updated_at")
+                  "attributes", "provenance", "created_at", "updated_at", "summary_by")
 RELATION_COLUMNS = ("id", "user_id", "agent_id", "subject_id", "predicate", "object_id", "value",
                     "fact", "valid_from", "valid_to", "created_at", "expired_at", "provenance",
                     "confidence", "metadata")
@@ -87,13 +87,13 @@ def entity_values(d: Dialect, e: Entity) -> list[Any]:
     s = e.scope
     return [e.id, s.user_id, s.agent_id, e.name, e.type, d.json(list(e.aliases)), e.summary,
             d.json(e.attributes), d.json(list(e.provenance)), d.time(e.created_at),
-            d.time(e.updated_at)]
+            d.time(e.updated_at), e.summary_by]
 
 
 def read_entity(d: Dialect, row: Sequence[Any]) -> Entity:
-    eid, uid, aid, name, typ, aliases, summary, attributes, provenance, created, updated = row
+    eid, uid, aid, name, typ, aliases, summary, attributes, provenance, created, updated, by = row
     return Entity(id=eid, scope=Scope(uid, aid), name=name, type=typ,
-                  aliases=tuple(d.read_json(aliases)), summary=summary,
+                  aliases=tuple(d.read_json(aliases)), summary=summary, summary_by=by,
                   attributes=d.read_json(attributes), provenance=tuple(d.read_json(provenance)),
                   created_at=d.read_time(created), updated_at=d.read_time(updated))
 
@@ -110,6 +110,26 @@ def upsert_entity(d: Dialect, tenant: str, e: Entity, embedding: np.ndarray | No
     sets += ", embedding = coalesce(excluded.embedding, entities.embedding)"
     return (f"INSERT INTO entities ({', '.join(names)}) VALUES ({d.marks(len(names))}) "
             f"ON CONFLICT ({target}) DO UPDATE SET {sets}", values)
+
+
+def insert_entity(d: Dialect, tenant: str, e: Entity, embedding: np.ndarray | None,
+                  key: str) -> Stmt:
+    """Insert a new entity under its claim `key`, unless an entity of its owner holds that key
+    already (the unique index `entities_key`): then nothing is written (see `key_holder`)."""
+    names = [*ENTITY_COLUMNS, "embedding", "key"]
+    blob = None if embedding is None else np.asarray(embedding, dtype=np.float32).tobytes()
+    values = [*entity_values(d, e), blob, key]
+    if d.tenant:
+        names, values = ["tenant", *names], [tenant, *values]
+    return (f"INSERT INTO entities ({', '.join(names)}) VALUES ({d.marks(len(names))}) "
+            f"ON CONFLICT DO NOTHING", values)
+
+
+def key_holder(d: Dialect, tenant: str, scope: Scope, key: str) -> Stmt:
+    """The id of the entity of the owner `scope` (exactly) that holds the claim `key`."""
+    w = Where(d, tenant, "e").add(f"coalesce(e.user_id, '') = {d.mark}", scope.user_id or "")
+    w.add(f"coalesce(e.agent_id, '') = {d.mark}", scope.agent_id or "").add(f"e.key = {d.mark}", key)
+    return f"SELECT e.id FROM entities e WHERE {w.sql}", w.params
 
 
 def put_names(d: Dialect, tenant: str, e: Entity,
@@ -306,6 +326,8 @@ def erase_statements(d: Dialect, tenant: str, entity_ids: Sequence[str],
                     f"(SELECT r.id FROM relations r WHERE {touching.sql})",
                     [*([tenant] if d.tenant else []), *touching.params]))
         out.append((f"DELETE FROM relations AS r WHERE {touching.sql}", touching.params))
+        w = Where(d, tenant, "x").one_of("x.memory_id", entity_ids)  # a deleted entity's event
+        out.append((f"DELETE FROM events AS x WHERE {w.sql}", w.params))
         for table, col in (("mentions", "entity_id"), ("entity_names", "entity_id"),
                            ("entities", "id")):
             w = Where(d, tenant, "x").one_of(f"x.{col}", entity_ids)
@@ -325,3 +347,53 @@ def drop_mentions(d: Dialect, tenant: str, episode_ids: Sequence[str]) -> Stmt:
 
 def _tenant(d: Dialect, alias: str) -> str:
     return f"{alias}.tenant = {d.mark} AND " if d.tenant else ""
+
+
+# -- the migration that makes an owner's entities unique by name -----------------------------------
+
+def merge_duplicates(d: Dialect, conn: Any) -> None:
+    """Migration step (`conn`: the migration's connection, every tenant's rows in view): merge
+    the entities an older version created twice (two writers naming one new entity at once;
+    `pipeline.graph.dedupe` decides which are one), move their relations and mentions to the
+    survivor, and give every entity its claim key, so `entities_key` can be created unique."""
+    from ..pipeline import graph as pg  # the decision is the pipeline's; this only applies it
+
+    lead = "tenant, " if d.tenant else ""
+    rows = conn.execute(f"SELECT {lead}{', '.join(ENTITY_COLUMNS)} FROM entities "
+                        f"ORDER BY {lead}id").fetchall()
+    by_tenant: dict[str, list[Entity]] = {}
+    for row in rows:
+        tenant, rest = (row[0], row[1:]) if d.tenant else ("", row)
+        by_tenant.setdefault(tenant, []).append(read_entity(d, rest))
+    for tenant, found in by_tenant.items():
+        before = {e.id: e for e in found}
+        kept, merged, keys = pg.dedupe(found)
+        for dup, into in merged.items():
+            for stmt in _merge(d, tenant, dup, into):
+                conn.execute(*stmt)
+        for eid, e in kept.items():
+            if e != before[eid]:
+                conn.execute(*upsert_entity(d, tenant, e, None))
+                for stmt in put_names(d, tenant, e, pg.name_keys(e.name, e.aliases)):
+                    conn.execute(*stmt)
+            w = Where(d, tenant, "x").add(f"x.id = {d.mark}", eid)
+            conn.execute(f"UPDATE entities AS x SET key = {d.mark} WHERE {w.sql}",
+                         [keys[eid], *w.params])
+
+
+def _merge(d: Dialect, tenant: str, dup: str, into: str) -> list[Stmt]:
+    """Move a duplicate entity's edges and mentions to the entity it is, then remove it."""
+    out: list[Stmt] = []
+    for col in ("subject_id", "object_id"):
+        w = Where(d, tenant, "x").add(f"x.{col} = {d.mark}", dup)
+        out.append((f"UPDATE relations AS x SET {col} = {d.mark} WHERE {w.sql}", [into, *w.params]))
+    cols = [c for c in MENTION_COLUMNS if c != "entity_id"]
+    lead = ["tenant"] if d.tenant else []
+    w = Where(d, tenant, "x").add(f"x.entity_id = {d.mark}", dup)
+    out.append((f"INSERT INTO mentions ({', '.join([*lead, 'entity_id', *cols])}) "
+                f"SELECT {', '.join([*(f'x.{c}' for c in lead), d.mark, *(f'x.{c}' for c in cols)])} "
+                f"FROM mentions x WHERE {w.sql} ON CONFLICT DO NOTHING", [into, *w.params]))
+    for table, col in (("mentions", "entity_id"), ("entity_names", "entity_id"), ("entities", "id")):
+        w = Where(d, tenant, "x").add(f"x.{col} = {d.mark}", dup)
+        out.append((f"DELETE FROM {table} AS x WHERE {w.sql}", w.params))
+    return out

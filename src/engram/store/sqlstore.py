@@ -198,6 +198,12 @@ class SQLTx:
     def _exec(self, sql: str, params: Sequence[Any] = ()) -> None:
         raise NotImplementedError
 
+    def _rows(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """The rows of a read inside the transaction. Both backends' transactions hold their
+        connection as `conn` (sqlite3 or psycopg: `execute(...).fetchall()`)."""
+        conn: Any = self.__dict__["conn"]
+        return list(conn.execute(sql, params).fetchall())
+
     def _savepoint(self) -> AbstractContextManager[Any]:
         """Around a statement that may fail while the transaction should go on."""
         return nullcontext()
@@ -243,6 +249,17 @@ class SQLTx:
         self._exec(*g.upsert_entity(d, self.tenant, entity, embedding))
         for stmt in g.put_names(d, self.tenant, entity, keys):
             self._exec(*stmt)
+
+    def add_entity(self, entity: Entity, keys: Sequence[tuple[str, NameKind]], key: str,
+                   embedding: np.ndarray | None = None) -> str:
+        d = self.dialect
+        self._exec(*g.insert_entity(d, self.tenant, entity, embedding, key))
+        rows = self._rows(*g.key_holder(d, self.tenant, entity.scope, key))
+        holder = str(rows[0][0]) if rows else entity.id
+        if holder == entity.id:
+            for stmt in g.put_names(d, self.tenant, entity, keys):
+                self._exec(*stmt)
+        return holder
 
     def put_relation(self, relation: Relation) -> None:
         self._exec(*g.upsert_relation(self.dialect, self.tenant, relation))

@@ -15,7 +15,8 @@ from psycopg import errors as pgerr
 
 from ...errors import StoreError
 from ...model import Scope
-from . import bm25
+from .. import graph
+from . import bm25, sql
 from .pool import Connection
 
 log = logging.getLogger("engram.store")
@@ -87,6 +88,10 @@ def _set_lex(conn: Connection, batch: list[tuple[object, ...]]) -> None:
         with conn.cursor() as cur:
             cur.executemany("UPDATE memories SET lex = array_to_tsvector(%s::text[]), lex_body = %s, "
                             "lex_context = %s, lex_len = %s WHERE tenant = %s AND id = %s", batch)
+
+
+def _merge_entities(conn: Connection) -> None:
+    graph.merge_duplicates(sql.DIALECT, conn)
 
 
 # Named migrations, applied in order, each in its own transaction under an advisory lock.
@@ -257,6 +262,18 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
             space text NOT NULL, pending text, cursor {TEXT},
             updated_at timestamptz NOT NULL)""",
         *_tenant_policy("embedding_space"),
+    ]),
+    # An owner's entities are unique by name; duplicates an older version made are merged first,
+    # in every tenant (sqlite/schema.py says why; `summary_by` too).
+    ("0005_entity_keys", [
+        f"ALTER TABLE entities ADD COLUMN key {TEXT}",
+        "ALTER TABLE entities ADD COLUMN summary_by text NOT NULL DEFAULT ''",
+        *[f"ALTER TABLE {table} NO FORCE ROW LEVEL SECURITY" for table in _GRAPH_TABLES],
+        "UPDATE entities SET summary_by = 'caller' WHERE summary <> ''",
+        _merge_entities,
+        *[f"ALTER TABLE {table} FORCE ROW LEVEL SECURITY" for table in _GRAPH_TABLES],
+        "CREATE UNIQUE INDEX entities_key ON entities "
+        "(tenant, coalesce(user_id, ''), coalesce(agent_id, ''), key)",
     ]),
     # What a process's in-memory cache of a scope's keys (store.py, "the dense cache") needs to
     # follow the database, as on SQLite (sqlite/schema.py 0002): a version per tenant bumped by

@@ -4,14 +4,25 @@ so a database made by an older version upgrades itself when opened."""
 from __future__ import annotations
 
 import logging
+import sqlite3
 import time
+from collections.abc import Callable
 
+from .. import graph
+from . import sql
 from .conn import Connections
 
 log = logging.getLogger("engram.store")
 
+Step = str | Callable[[sqlite3.Connection], None]  # a statement, or a function rewriting data
+
+
+def _merge_entities(conn: sqlite3.Connection) -> None:
+    graph.merge_duplicates(sql.DIALECT, conn)
+
+
 # Never edit a released migration: append a new one.
-MIGRATIONS: list[tuple[str, list[str]]] = [
+MIGRATIONS: list[tuple[str, list[Step]]] = [
     ("0001_initial", [
         """CREATE TABLE memories (
             rid INTEGER PRIMARY KEY,
@@ -147,6 +158,18 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             space TEXT NOT NULL, pending TEXT, cursor TEXT,
             updated_at REAL NOT NULL)""",
     ]),
+    # An owner's entities are unique by name (docs/graph.md, "One entity per name"): `key` is
+    # the claim a new entity is inserted under (pipeline/graph.py::claim_keys), so two writers
+    # naming one new entity at once end with one. Duplicates an older version made are merged
+    # first. `summary_by`: who wrote the summary (summaries written so far were the caller's).
+    ("0005_entity_keys", [
+        "ALTER TABLE entities ADD COLUMN key TEXT",
+        "ALTER TABLE entities ADD COLUMN summary_by TEXT NOT NULL DEFAULT ''",
+        "UPDATE entities SET summary_by = 'caller' WHERE summary <> ''",
+        _merge_entities,
+        "CREATE UNIQUE INDEX entities_key ON entities "
+        "(coalesce(user_id, ''), coalesce(agent_id, ''), key)",
+    ]),
 ]
 
 
@@ -160,7 +183,10 @@ def migrate(db: Connections) -> None:
             if name in done:
                 continue
             for stmt in statements:
-                c.execute(stmt)
+                if isinstance(stmt, str):
+                    c.execute(stmt)
+                else:
+                    stmt(c)
             c.execute("INSERT INTO schema_migrations VALUES (?, ?)", (name, time.time()))
             log.info("applied migration %s to %s", name, db.label)
 
