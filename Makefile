@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
 	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction \
-	bench-encryption bench-entities bench-frameworks bench-peers console-shots clean
+	bench-encryption bench-entities bench-frameworks bench-peers bench-embed console-shots clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -50,6 +50,10 @@ test: dev
 
 bench-locomo: install
 	$(PY) bench/locomo.py
+
+# the local embedder alone: turns/s (wall, CPU), query latency, int8's cosine to fp32
+bench-embed: install
+	$(PY) bench/embed.py
 
 bench-scale: install
 	$(PY) bench/scale.py

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,6 +77,38 @@ def test_onnx_vectors_match_sentence_transformers(embedder: MiniLM) -> None:
     cosines = (got * reference).sum(axis=1)
     assert cosines.min() >= 0.999, cosines
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_the_graph_runs_fused_kernels_on_the_real_tokens_only(embedder: MiniLM) -> None:
+    """The vectors above come from the fast graph: padding dropped before the per-token work,
+    ONNX Runtime's fused attention, skip-layer-norm and GELU kernels, one QKV projection."""
+    import onnx
+
+    assert embedder.cache_dir is not None
+    graph = onnx.load(str(onnx_graph.ensure_graph(embedder.cache_dir)), load_external_data=False)
+    ops = Counter(n.op_type for n in graph.graph.node)
+    layers = 6
+    assert ops["MultiHeadAttention"] == ops["BiasGelu"] == layers
+    assert ops["SkipLayerNormalization"] == 2 * layers + 1  # and the embeddings' LayerNorm
+    assert ops["MatMul"] == 4 * layers + 1  # QKV, output, two feed-forward; pooling
+    assert ops["NonZero"] == 1 and "Erf" not in ops and "Softmax" not in ops
+
+
+def test_int8_vectors_stay_close_to_fp32(embedder: MiniLM) -> None:
+    """`minilm-int8` is the fused graph with int8 weights: its own embedding space, near fp32."""
+    import onnx
+
+    int8 = MiniLM(threads=1, int8=True)
+    got = int8.embed_batch(TEXTS)
+    cosines = (got * embedder.embed_batch(TEXTS)).sum(axis=1)
+    # the emptiest texts ("", "x") move most: 0.975 there (as with the unfused int8 graph)
+    assert cosines.min() >= 0.97 and cosines.mean() >= 0.985, cosines
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert int8.cache_dir is not None
+    path = onnx_graph.ensure_graph(int8.cache_dir, int8=True)
+    ops = Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+    assert ops["MatMulInteger"] == 4 * 6 and ops["MultiHeadAttention"] == 6
+    assert path.stat().st_size < onnx_graph.ensure_graph(int8.cache_dir).stat().st_size / 3
 
 
 def test_a_batch_gives_each_text_the_vector_it_gets_alone(embedder: MiniLM) -> None:
