@@ -147,6 +147,11 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             space TEXT NOT NULL, pending TEXT, cursor TEXT,
             updated_at REAL NOT NULL)""",
     ]),
+    # What the in-memory lexical index (lexicon.py) needs to follow `memory_fts`: every write
+    # to it logs the row (its rowid, the memory's rid), in the same transaction.
+    ("0005_lexicon_log", [
+        "CREATE TABLE lex_log (id INTEGER PRIMARY KEY AUTOINCREMENT, rid INTEGER NOT NULL)",
+    ]),
 ]
 
 

@@ -83,6 +83,37 @@ def index_text(rid: int, scope: Scope, body: str, previous: str) -> r.Stmt:
             [rid, body, previous, " ".join(owner_tokens(scope))])
 
 
+def log_text(rids_sql: str, params: Sequence[Any]) -> r.Stmt:
+    """Log that `memory_fts` rows changed (the rids `rids_sql` selects), for lexicon.py."""
+    return f"INSERT INTO lex_log(rid) {rids_sql}", list(params)
+
+
+# the log's last entry and FTS5's own row count (its `averages` record: varints, rows first)
+LEX_STATE = ("SELECT (SELECT coalesce(max(id), 0) FROM lex_log), "
+             "(SELECT block FROM memory_fts_data WHERE id = 1)")
+
+
+def fts_rows(rids: Sequence[int] | None = None) -> r.Stmt:
+    """memory_fts rows (all, or these rowids) as the lexicon indexes them."""
+    sel = ("SELECT f.rowid, m.id, f.body, f.context, f.owner FROM memory_fts f "
+           "JOIN memories m ON m.rid = f.rowid")
+    if rids is None:
+        return sel, []
+    return f"{sel} WHERE f.rowid IN ({DIALECT.marks(len(rids))})", list(rids)
+
+
+def fts_row_count(block: bytes | None) -> int:
+    """The rows FTS5 holds, from its averages record (a SQLite varint)."""
+    value = 0
+    for i, byte in enumerate(block or b""):
+        if i == 8:
+            return (value << 8) | byte
+        value = (value << 7) | (byte & 0x7F)
+        if byte < 0x80:
+            break
+    return value
+
+
 def lexical(query: Query, terms: Sequence[str], k: int, previous_weight: float) -> r.Stmt:
     """BM25 over the body and (weighted by `previous_weight`) the previous turn. The scope's
     owner tokens go into the MATCH, so the index intersects with the scope itself instead of

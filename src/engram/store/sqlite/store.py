@@ -27,6 +27,7 @@ from ..base import Candidate, Key, Lexical, Query, Select
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import ann, schema, sql
 from .conn import BUSY_ERRORS, DB_ERRORS, Connections
+from .lexicon import MAX_DEAD, Lexicon
 from .slab import Slab
 
 log = logging.getLogger("engram.store")
@@ -39,16 +40,22 @@ class SQLiteStore(SQLStore):
     MAX_SLABS = 16
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0,
-                 key: str | None = None, ann_threshold: int = 20_000) -> None:
+                 key: str | None = None, ann_threshold: int = 20_000,
+                 lexicon_threshold: int = 20_000) -> None:
         """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
         scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
-        extra, else always exact), saved beside the database in `<file>.ann/`."""
+        extra, else always exact), saved beside the database in `<file>.ann/`.
+        `lexicon_threshold`: once the full-text index holds more rows than this, lexical
+        searches run on an in-memory copy of it (lexicon.py: the same scores as FTS5)."""
         self.path = Path(path)
         self._ann_dir: Path | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._ann_dir = self.path.parent / f"{self.path.name}.ann"
         self.ann_threshold = ann_threshold
+        self.lexicon_threshold = lexicon_threshold
+        self._lex: Lexicon | None = None
+        self._lex_lock = threading.Lock()
         self.busy_timeout_s = busy_timeout_s
         self._db = Connections(self.path, busy_timeout_s=busy_timeout_s, key=key)
         self._local = threading.local()  # .dirty: this thread's open write changed keys
@@ -69,6 +76,10 @@ class SQLiteStore(SQLStore):
         return nullcontext(self._db.read)
 
     def close(self) -> None:
+        with self._lex_lock:
+            if self._lex is not None:
+                self._lex.close()
+                self._lex = None
         self._db.close()
 
     @contextmanager
@@ -294,10 +305,62 @@ class SQLiteStore(SQLStore):
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
-        if not terms:
+        if not terms or k <= 0:
             return []
+        lex = self._lexicon()
+        if lex is not None:
+            with self._lex_lock:
+                hits = lex.search(terms, sql.owner_tokens(query.scope), k, previous_weight,
+                                  lambda ids: self._lexical_visible(query, ids))
+            if hits is not None:
+                return hits
         return [(row[0], float(row[1]))
                 for row in self._read(*sql.lexical(query, terms, k, previous_weight))]
+
+    def _lexicon(self) -> Lexicon | None:
+        """The in-memory lexical index, brought up to date with `lex_log`; None while the
+        database is small, and inside a write (whose changes may yet roll back: FTS5 sees them,
+        and answers)."""
+        if self._db.get().in_transaction:
+            return None
+        (last, block), = self._read(sql.LEX_STATE)
+        with self._lex_lock:
+            lex = self._lex
+            if lex is None and sql.fts_row_count(block) <= self.lexicon_threshold:
+                return None
+            if lex is not None and lex.version != last:
+                changed = self._read("SELECT id, rid FROM lex_log WHERE id > ? ORDER BY id",
+                                     [lex.version])
+                if changed:
+                    rids = sorted({row[1] for row in changed})
+                    lex.remove(rids)
+                    for i in range(0, len(rids), self.dialect.chunk):
+                        lex.add(self._read(*sql.fts_rows(rids[i:i + self.dialect.chunk])))
+                    lex.version = changed[-1][0]
+                if lex.dead_share() > MAX_DEAD:
+                    lex.close()
+                    lex = self._lex = None
+            if lex is None:
+                # the log first: a row written in between is read here and again from the log
+                lex = Lexicon()
+                lex.version = last
+                lex.add(self._read(*sql.fts_rows()))
+                log.info("built the lexical index over %d rows", lex.count)
+                self._lex = lex
+            return lex
+
+    def _lexical_visible(self, query: Query, ids: list[str]) -> set[str]:
+        """The ids `query` may see: from the `text` cache when it is exact (no SQL), else the
+        tables decide (as the FTS5 query's conditions do). Call with the lexicon's lock."""
+        s = query.scope
+        with self._slabs_lock:
+            slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, "text"))
+        if slab is not None and not query.conditions:
+            slab, exact = self._slab(query, "text", slab.mat.shape[1])
+            if exact:
+                with self._slabs_lock:
+                    return slab.visible_ids(query, ids)
+        return self._visible(query, ids)
 
     def touch(self, ids: Sequence[str], at: datetime) -> None:
         if not ids:
@@ -365,6 +428,7 @@ class SQLiteTx(SQLTx):
         cur = self.conn.execute(*sql.insert_memory(record))
         assert cur.lastrowid is not None
         self._exec(*sql.index_text(cur.lastrowid, record.scope, lexical.body, lexical.previous))
+        self._exec(*sql.log_text("VALUES (?)", [cur.lastrowid]))
         self._put_keys(record.id, keys)
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
@@ -387,6 +451,7 @@ class SQLiteTx(SQLTx):
             (rid,), = self.conn.execute("SELECT rid FROM memories WHERE id = ?", (record.id,))
             self._exec("DELETE FROM memory_fts WHERE rowid = ?", (rid,))
             self._exec(*sql.index_text(rid, record.scope, lexical.body, lexical.previous))
+            self._exec(*sql.log_text("VALUES (?)", [rid]))
 
     def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
         for chunk in _chunks(ids, self.dialect.chunk):
@@ -400,6 +465,7 @@ class SQLiteTx(SQLTx):
         self._exec(f"DELETE FROM memory_keys WHERE memory_id IN ({marks})", ids)
         self._exec(f"DELETE FROM memory_fts WHERE rowid IN "
                    f"(SELECT rid FROM memories WHERE id IN ({marks}))", ids)
+        self._exec(*sql.log_text(f"SELECT rid FROM memories WHERE id IN ({marks})", ids))
         self.keys_changed = True
         self.local.dirty = True
 
