@@ -219,3 +219,34 @@ def test_small_databases_stay_on_fts5(tmp_path: Path) -> None:
         assert s._lex is not None and s._lex.count == 1100
     finally:
         s.close()
+
+
+def test_insert_many_writes_what_insert_writes(tmp_path: Path) -> None:
+    rng = random.Random(10)
+    rows = []
+    for i in range(50):
+        r = record(sentence(rng), SCOPES[i % len(SCOPES)], rng)
+        v = np.asarray([rng.random() for _ in range(4)], dtype=np.float32)
+        rows.append((r, [Key("text", v), Key("window", v[::-1].copy())], Lexical(r.text, f"prev {i}")))
+    one, many = SQLiteStore(tmp_path / "one.db"), SQLiteStore(tmp_path / "many.db")
+    try:
+        for s in (one, many):
+            fill(s, 5, random.Random(11))  # rows before: the rids continue after them
+        with one.write() as tx:
+            for row in rows:
+                tx.insert(*row)
+        with many.write() as tx:
+            tx.insert_many(rows)
+        tables = ["SELECT rid, * FROM memories WHERE rid > 5 ORDER BY rid",
+                  "SELECT rowid, body, context, owner FROM memory_fts WHERE rowid > 5 ORDER BY rowid",
+                  "SELECT seq, memory_id, kind, vector FROM memory_keys WHERE seq > 5 ORDER BY seq",
+                  "SELECT * FROM lex_log ORDER BY id", "SELECT * FROM meta ORDER BY name"]
+        for q in tables:
+            got, want = many._read(q), one._read(q)
+            assert got == want and got, q
+        q = Query(scope=SCOPES[0], now=NOW)
+        got, want = (s.lexical(q, ["ramen", "lisbon"], 20, 0.5) for s in (many, one))
+        assert [s for _, s in got] == [s for _, s in want] and got
+    finally:
+        one.close()
+        many.close()

@@ -99,6 +99,7 @@ class Lexicon:
         self._fts.execute("CREATE VIRTUAL TABLE t USING fts5(a, b, c, content='', "
                           f"tokenize='{TOKENIZE}')")
         self._fts.execute("CREATE VIRTUAL TABLE v USING fts5vocab(t, 'instance')")
+        self._fts.execute("CREATE VIRTUAL TABLE vr USING fts5vocab(t, 'row')")
         self.query_tokens = Tokenizer()  # a query term's phrase, as FTS5 parses it
         self.vocab: dict[str, int] = {}
         self.segments: list[Segment] = []
@@ -133,26 +134,22 @@ class Lexicon:
         db.execute("BEGIN")
         db.executemany("INSERT INTO t(rowid, a, b, c) VALUES (?, ?, ?, ?)",
                        [(j, d[2], d[3], d[4]) for j, d in enumerate(docs)])
+        # Both vocabulary tables walk the index in term order: each distinct term with its
+        # occurrences (`row`), then every occurrence, term by term (`instance`), read as one
+        # integer each (document, column, position) to keep Python out of the inner loop.
         vocab = self.vocab
-        tok: list[int] = []
-        doc: list[int] = []
-        col: list[int] = []
-        off: list[int] = []
-        cols = {"a": 0, "b": 1, "c": 2}
-        for term, d, c, o in db.execute("SELECT term, doc, col, offset FROM v"):
-            t = vocab.get(term)
-            if t is None:
-                t = vocab[term] = len(vocab)
-            tok.append(t)
-            doc.append(d)
-            col.append(cols[c])
-            off.append(o)
+        counts = db.execute("SELECT term, cnt FROM vr").fetchall()
+        packed = np.array([row[0] for row in db.execute(
+            "SELECT (doc << 34) | ((CASE col WHEN 'a' THEN 0 WHEN 'b' THEN 1 ELSE 2 END) << 32) "
+            "| offset FROM v")], dtype=np.int64)
         db.execute("INSERT INTO t(t) VALUES ('delete-all')")
         db.execute("COMMIT")
-        toks = np.array(tok, dtype=np.int64)
-        dids = np.array(doc, dtype=np.int64)
-        cs = np.array(col, dtype=np.int8)
-        offs = np.array(off, dtype=np.int64)
+        ids = np.array([vocab.setdefault(term, len(vocab)) for term, _ in counts], dtype=np.int64)
+        toks = np.repeat(ids, [c for _, c in counts])
+        assert len(toks) == len(packed), "the vocabulary tables disagree"
+        dids = packed >> 34
+        cs = ((packed >> 32) & 3).astype(np.int8)
+        offs = packed & 0xFFFFFFFF
         lens = np.bincount(dids, minlength=len(docs)).astype(np.float64)
         # pairs of adjacent tokens of the same column (text and context; scope tokens are
         # never searched as phrases)

@@ -431,6 +431,30 @@ class SQLiteTx(SQLTx):
         self._exec(*sql.log_text("VALUES (?)", [cur.lastrowid]))
         self._put_keys(record.id, keys)
 
+    def insert_many(self, rows: Sequence[tuple[MemoryRecord, Sequence[Key], Lexical]]) -> None:
+        """`insert` of each row, a statement per table (bulk loads: the same rows, keys, FTS5
+        entries and log as one `insert` per row). The transaction holds the write lock, so
+        the rids SQLite would give them one by one are the next ones after the largest."""
+        if not rows:
+            return
+        c = self.conn
+        (top,), = c.execute("SELECT coalesce(max(rid), 0) FROM memories")
+        rids = range(top + 1, top + 1 + len(rows))
+        names = ("rid", *r.MEMORY_COLUMNS)
+        c.executemany(f"INSERT INTO memories ({', '.join(names)}) VALUES "
+                      f"({self.dialect.marks(len(names))})",
+                      [[rid, *r.memory_values(self.dialect, rec)]
+                       for rid, (rec, _, _) in zip(rids, rows, strict=True)])
+        c.executemany(sql.index_text(0, rows[0][0].scope, "", "")[0],
+                      [sql.index_text(rid, rec.scope, lex.body, lex.previous)[1]
+                       for rid, (rec, _, lex) in zip(rids, rows, strict=True)])
+        c.executemany(sql.log_text("VALUES (?)", [])[0], [(rid,) for rid in rids])
+        c.executemany("INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
+                      [(rec.id, k.name, np.asarray(k.vector, dtype=np.float32).tobytes())
+                       for rec, keys, _ in rows for k in keys])
+        self.keys_changed = True
+        self.local.dirty = True
+
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
         self.conn.executemany(
             "INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
