@@ -180,6 +180,20 @@ def test_other_writers_are_followed(store: SQLiteStore, tmp_path: Path) -> None:
     assert lex is not None and lex.count == 300 - 100 + 200 + 150 - 20
 
 
+def test_many_small_writes_merge_their_segments(store: SQLiteStore) -> None:
+    rng = random.Random(12)
+    fill(store, 400, rng)
+    for i in range(30):  # a search after every small write: a segment each, merged as they pile up
+        recs = fill(store, 3 + i, rng)
+        if i % 4 == 0:
+            with store.write() as tx:
+                tx.soft_delete([recs[0].id], NOW)
+        check(store, rng, 1)
+        lex = store._lex
+        assert lex is not None and len(lex.segments) <= 9
+    check(store, rng, 30)
+
+
 def test_visibility_kinds_and_filters_as_in_sql(store: SQLiteStore) -> None:
     rng = random.Random(6)
     recs = fill(store, 400, rng)

@@ -124,8 +124,13 @@ class Lexicon:
         """Index rows (read from memory_fts), as new documents."""
         for i in range(0, len(docs), BATCH):
             self._add(docs[i:i + BATCH])
+        # the small segments of the latest writes merge with each other; with the first,
+        # largest one only once they add up to a quarter of it
         if len(self.segments) > MAX_SEGMENTS:
-            self.segments = [Segment.merged(self.segments)]
+            first, *rest = self.segments
+            tail = Segment.merged(rest)
+            self.segments = [Segment.merged([first, tail])] \
+                if len(tail.docs) > len(first.docs) // 4 else [first, tail]
 
     def _add(self, docs: Sequence[Doc]) -> None:
         if not docs:
@@ -251,8 +256,8 @@ class Lexicon:
 
     def scores(self, terms: Sequence[str], owners: Sequence[str],
                previous_weight: float) -> tuple[np.ndarray, np.ndarray] | None:
-        """Every in-scope document any term matches, with its `-bm25()` (best first); None when
-        a term is a phrase of three tokens or more (FTS5 answers those)."""
+        """Every in-scope document any term matches, with its `-bm25()`; None when a term is
+        a phrase of three tokens or more (FTS5 answers those)."""
         phrases = []
         for term in terms:
             p = self.query_tokens.phrase(term)
@@ -264,7 +269,10 @@ class Lexicon:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         scope = self.in_scope(owners)
         n_rows, avgdl = self.count, self.total / self.count
-        found = []
+        # one slot per document: a phrase's postings hold each document once, so a scatter
+        # adds each phrase's term to each score in query order, as FTS5 sums them
+        score = np.zeros(self.n)
+        hit = np.zeros(self.n, dtype=bool)
         for p in phrases:
             key = self._phrase_key(p)
             docs, body, ctx = self._postings(key if key is not None else -1)
@@ -274,16 +282,12 @@ class Lexicon:
             if scope is not None:
                 keep = scope[docs]
                 docs, body, ctx = docs[keep], body[keep], ctx[keep]
-            found.append((idf, docs, body + ctx * previous_weight))
-        cand = np.unique(np.concatenate([f[1] for f in found]))
-        norm = K1 * (1 - B + B * self.lens[cand] / avgdl)
-        score = np.zeros(len(cand))
-        for idf, docs, freq in found:
-            f = np.zeros(len(cand))
-            f[np.searchsorted(cand, docs)] = freq
-            score += idf * ((f * (K1 + 1.0)) / (f + norm))
-        order = np.argsort(-score, kind="stable")
-        return cand[order], score[order]
+            f = body + ctx * previous_weight
+            norm = K1 * (1 - B + B * self.lens[docs] / avgdl)
+            score[docs] += idf * ((f * (K1 + 1.0)) / (f + norm))
+            hit[docs] = True
+        docs = np.flatnonzero(hit)
+        return docs, score[docs]
 
     def search(self, terms: Sequence[str], owners: Sequence[str], k: int, previous_weight: float,
                visible: Callable[[list[str]], set[str]],
@@ -296,10 +300,12 @@ class Lexicon:
         docs, score = ranked
         size = pool or k + k // 8 + 32
         while True:
-            top = docs[:size].tolist()
-            ids = [self.ids[d] for d in top]
+            top = np.argpartition(-score, size - 1)[:size] if size < len(docs) \
+                else np.arange(len(docs))
+            top = top[np.argsort(-score[top], kind="stable")]
+            ids = [self.ids[d] for d in docs[top].tolist()]
             seen = visible(ids)
-            hits = [(mid, float(s)) for mid, s in zip(ids, score[:size].tolist(), strict=True)
+            hits = [(mid, s) for mid, s in zip(ids, score[top].tolist(), strict=True)
                     if mid in seen]
             if len(hits) >= k or size >= len(docs):
                 return hits[:k]

@@ -314,6 +314,7 @@ class SQLiteStore(SQLStore):
                                   lambda ids: self._lexical_visible(query, ids))
             if hits is not None:
                 return hits
+            log.debug("lexical: a phrase of three tokens or more, FTS5 answers")
         return [(row[0], float(row[1]))
                 for row in self._read(*sql.lexical(query, terms, k, previous_weight))]
 
