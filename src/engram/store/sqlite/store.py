@@ -145,6 +145,7 @@ class SQLiteStore(SQLStore):
                     if dead:
                         slab.kill([d[1] for d in dead])
                         slab.tomb_max = dead[-1][0]
+                first_load = slab.n == 0
                 rows = self._read(*sql.new_keys(scope, key_name, slab.max_seq, slab.rich))
                 if rows:
                     vecs = np.frombuffer(b"".join(row[2] for row in rows), dtype=np.float32)
@@ -153,6 +154,10 @@ class SQLiteStore(SQLStore):
                                 self.dialect)
                     if in_tx:  # their rows may carry this write's uncommitted changes
                         slab.rows_version = -1
+                    elif first_load:
+                        # every row was just read, after `rows_version`: its attributes are
+                        # at least that fresh (no second read of them all)
+                        slab.rows_version = rows_version
                 slab.version = version
             if not in_tx and slab.rows_version != rows_version:
                 slab.reset_attrs(self._read(*sql.key_attrs(scope, key_name, slab.max_seq, slab.rich)),
