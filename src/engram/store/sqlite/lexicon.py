@@ -17,10 +17,10 @@ gives (store/postgres/bm25.py states the formula and its constants, which both s
   scope of a search is the documents holding all its scope tokens, as in the SQL MATCH.
 
 It follows the database exactly: every change to `memory_fts` logs the row in `lex_log` (in
-the same transaction, by `SQLiteTx`), and a search first applies the log entries past the
-ones it has seen (any process may have written them): the row's old document dies, its current
-content (if any) is indexed again. New documents go to small segments, merged when they are
-many; a quarter dead rebuilds the whole index.
+the same transaction, by triggers on `memories`: schema.py), and a search first applies the
+log entries past the ones it has seen (any process may have written them): the row's old
+document dies, its current content (if any) is indexed again. New documents go to small
+segments, merged when they are many; a quarter dead rebuilds the whole index.
 """
 
 from __future__ import annotations

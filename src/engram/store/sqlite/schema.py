@@ -147,10 +147,19 @@ MIGRATIONS: list[tuple[str, list[str]]] = [
             space TEXT NOT NULL, pending TEXT, cursor TEXT,
             updated_at REAL NOT NULL)""",
     ]),
-    # What the in-memory lexical index (lexicon.py) needs to follow `memory_fts`: every write
-    # to it logs the row (its rowid, the memory's rid), in the same transaction.
+    # What the in-memory lexical index (lexicon.py) needs to follow `memory_fts`: a write that
+    # may change a row's entry logs the row (its rid, the entry's rowid), in the same
+    # transaction. A trigger cannot watch the FTS5 table, but every change to it comes with a
+    # change to its memory: an insert, an update that sets the text (`update` sets every
+    # column; access counts do not), a soft delete, an erase.
     ("0005_lexicon_log", [
         "CREATE TABLE lex_log (id INTEGER PRIMARY KEY AUTOINCREMENT, rid INTEGER NOT NULL)",
+        "CREATE TRIGGER memories_lex_insert AFTER INSERT ON memories "
+        "BEGIN INSERT INTO lex_log(rid) VALUES (new.rid); END",
+        "CREATE TRIGGER memories_lex_update AFTER UPDATE OF text, deleted_at ON memories "
+        "BEGIN INSERT INTO lex_log(rid) VALUES (new.rid); END",
+        "CREATE TRIGGER memories_lex_delete AFTER DELETE ON memories "
+        "BEGIN INSERT INTO lex_log(rid) VALUES (old.rid); END",
     ]),
 ]
 

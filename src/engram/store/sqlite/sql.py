@@ -83,11 +83,6 @@ def index_text(rid: int, scope: Scope, body: str, previous: str) -> r.Stmt:
             [rid, body, previous, " ".join(owner_tokens(scope))])
 
 
-def log_text(rids_sql: str, params: Sequence[Any]) -> r.Stmt:
-    """Log that `memory_fts` rows changed (the rids `rids_sql` selects), for lexicon.py."""
-    return f"INSERT INTO lex_log(rid) {rids_sql}", list(params)
-
-
 # the log's last entry and FTS5's own row count (its `averages` record: varints, rows first)
 LEX_STATE = ("SELECT (SELECT coalesce(max(id), 0) FROM lex_log), "
              "(SELECT block FROM memory_fts_data WHERE id = 1)")

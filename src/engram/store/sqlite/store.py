@@ -434,12 +434,11 @@ class SQLiteTx(SQLTx):
         cur = self.conn.execute(*sql.insert_memory(record))
         assert cur.lastrowid is not None
         self._exec(*sql.index_text(cur.lastrowid, record.scope, lexical.body, lexical.previous))
-        self._exec(*sql.log_text("VALUES (?)", [cur.lastrowid]))
         self._put_keys(record.id, keys)
 
     def insert_many(self, rows: Sequence[tuple[MemoryRecord, Sequence[Key], Lexical]]) -> None:
-        """`insert` of each row, a statement per table (bulk loads: the same rows, keys, FTS5
-        entries and log as one `insert` per row). The transaction holds the write lock, so
+        """`insert` of each row, a statement per table (bulk loads: the same rows, keys and
+        FTS5 entries as one `insert` per row). The transaction holds the write lock, so
         the rids SQLite would give them one by one are the next ones after the largest."""
         if not rows:
             return
@@ -454,7 +453,6 @@ class SQLiteTx(SQLTx):
         c.executemany(sql.index_text(0, rows[0][0].scope, "", "")[0],
                       [sql.index_text(rid, rec.scope, lex.body, lex.previous)[1]
                        for rid, (rec, _, lex) in zip(rids, rows, strict=True)])
-        c.executemany(sql.log_text("VALUES (?)", [])[0], [(rid,) for rid in rids])
         c.executemany("INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
                       [(rec.id, k.name, np.asarray(k.vector, dtype=np.float32).tobytes())
                        for rec, keys, _ in rows for k in keys])
@@ -481,7 +479,6 @@ class SQLiteTx(SQLTx):
             (rid,), = self.conn.execute("SELECT rid FROM memories WHERE id = ?", (record.id,))
             self._exec("DELETE FROM memory_fts WHERE rowid = ?", (rid,))
             self._exec(*sql.index_text(rid, record.scope, lexical.body, lexical.previous))
-            self._exec(*sql.log_text("VALUES (?)", [rid]))
 
     def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
         for chunk in _chunks(ids, self.dialect.chunk):
@@ -495,7 +492,6 @@ class SQLiteTx(SQLTx):
         self._exec(f"DELETE FROM memory_keys WHERE memory_id IN ({marks})", ids)
         self._exec(f"DELETE FROM memory_fts WHERE rowid IN "
                    f"(SELECT rid FROM memories WHERE id IN ({marks}))", ids)
-        self._exec(*sql.log_text(f"SELECT rid FROM memories WHERE id IN ({marks})", ids))
         self.keys_changed = True
         self.local.dirty = True
 
