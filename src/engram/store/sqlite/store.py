@@ -312,48 +312,48 @@ class SQLiteStore(SQLStore):
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
         if not terms or k <= 0:
             return []
-        lex = self._lexicon()
-        if lex is not None:
+        # Not inside a write: its changes may yet roll back (FTS5 sees them, and answers).
+        if not self._db.get().in_transaction:
             with self._lex_lock:
-                hits = lex.search(terms, sql.owner_tokens(query.scope), k, previous_weight,
-                                  lambda ids: self._lexical_visible(query, ids))
+                lex = self._lexicon()
+                hits = None if lex is None else lex.search(
+                    terms, sql.owner_tokens(query.scope), k, previous_weight,
+                    lambda ids: self._lexical_visible(query, ids))
             if hits is not None:
                 return hits
-            log.debug("lexical: a phrase of three tokens or more, FTS5 answers")
+            if lex is not None:
+                log.debug("lexical: a phrase of three tokens or more, FTS5 answers")
         return [(row[0], float(row[1]))
                 for row in self._read(*sql.lexical(query, terms, k, previous_weight))]
 
     def _lexicon(self) -> Lexicon | None:
         """The in-memory lexical index, brought up to date with `lex_log`; None while the
-        database is small, and inside a write (whose changes may yet roll back: FTS5 sees them,
-        and answers)."""
-        if self._db.get().in_transaction:
-            return None
+        database is small. Call with `_lex_lock` held."""
         (last, block), = self._read(sql.LEX_STATE)
-        with self._lex_lock:
-            lex = self._lex
-            if lex is None and sql.fts_row_count(block) <= self.lexicon_threshold:
-                return None
-            if lex is not None and lex.version != last:
-                changed = self._read("SELECT id, rid FROM lex_log WHERE id > ? ORDER BY id",
-                                     [lex.version])
-                if changed:
-                    rids = sorted({row[1] for row in changed})
-                    lex.remove(rids)
-                    for i in range(0, len(rids), self.dialect.chunk):
-                        lex.add(self._read(*sql.fts_rows(rids[i:i + self.dialect.chunk])))
-                    lex.version = changed[-1][0]
-                if lex.dead_share() > MAX_DEAD:
-                    lex.close()
-                    lex = self._lex = None
-            if lex is None:
-                # the log first: a row written in between is read here and again from the log
-                lex = Lexicon()
-                lex.version = last
-                lex.add(self._read(*sql.fts_rows()))
-                log.info("built the lexical index over %d rows", lex.count)
-                self._lex = lex
-            return lex
+        lex = self._lex
+        if lex is None and sql.fts_row_count(block) <= self.lexicon_threshold:
+            return None
+        if lex is not None and lex.version != last:
+            changed = self._read("SELECT id, rid FROM lex_log WHERE id > ? ORDER BY id",
+                                 [lex.version])
+            if changed:
+                rids = sorted({row[1] for row in changed})
+                lex.remove(rids)
+                chunk = self.dialect.chunk
+                lex.add([row for i in range(0, len(rids), chunk)
+                         for row in self._read(*sql.fts_rows(rids[i:i + chunk]))])
+                lex.version = changed[-1][0]
+            if lex.dead_share() > MAX_DEAD:
+                lex.close()
+                lex = self._lex = None
+        if lex is None:
+            # the log first: a row written in between is read here and again from the log
+            lex = Lexicon()
+            lex.version = last
+            lex.add(self._read(*sql.fts_rows()))
+            log.info("built the lexical index over %d rows", lex.count)
+            self._lex = lex
+        return lex
 
     def _lexical_visible(self, query: Query, ids: list[str]) -> set[str]:
         """The ids `query` may see: from the `text` cache when it is exact (no SQL), else the
