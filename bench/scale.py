@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import statistics
@@ -402,6 +403,54 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
     }
 
 
+def measure_lexical(mem: Memory, user_id: str, n_queries: int, seed: int,
+                    k: int = 1000) -> dict[str, Any]:
+    """SQLite: the lexical retriever alone, as a search asks it (`k` candidates, the query's
+    terms), on the in-memory index (lexicon.py) and on FTS5, the same queries on both: their
+    times (thread CPU and wall), the index's build time and the process's RSS growth, and
+    whether every answer has the same scores."""
+    from engram.pipeline.text import terms
+    from engram.store import Query
+    from engram.store.sqlite import sql as sqlite_sql
+
+    store: Any = mem.store
+    query = Query(scope=Scope(user_id), now=datetime.now(UTC))
+    qs = [terms(q) for q in questions(n_queries, seed + 1)]
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    with store._lex_lock:
+        built = store._lexicon() is not None
+    build = time.perf_counter() - t0
+    assert built, "the database is below ENGRAM_LEXICON_THRESHOLD"
+    rss1 = rss_bytes()
+    out: dict[str, Any] = {"build_s": build, "rss_mb": (rss1 - rss0) / 1e6}
+    answers: dict[str, list[list[float]]] = {}
+    for how in ("lexicon", "fts5"):
+        wall, cpu, found = [], [], []
+        for words in qs:
+            t, c = time.perf_counter(), time.thread_time()
+            if how == "lexicon":
+                hits = store.lexical(query, words, k, 0.5)
+            else:
+                hits = [(row[0], float(row[1])) for row in store._read(
+                    *sqlite_sql.lexical(query, words, k, 0.5))]
+            cpu.append(time.thread_time() - c)
+            wall.append(time.perf_counter() - t)
+            found.append([s for _, s in hits])
+        wall.sort()
+        cpu.sort()
+        answers[how] = found
+        out[how] = {"p50_ms": 1000 * statistics.median(wall),
+                    "p95_ms": 1000 * wall[int(0.95 * len(wall)) - 1],
+                    "cpu_p50_ms": 1000 * statistics.median(cpu),
+                    "cpu_p95_ms": 1000 * cpu[int(0.95 * len(cpu)) - 1]}
+    out["same_scores"] = all(
+        len(a) == len(b) and all(abs(x - y) <= 1e-9 for x, y in zip(a, b, strict=True))
+        for a, b in zip(answers["lexicon"], answers["fts5"], strict=True))
+    out["queries"] = len(qs)
+    return out
+
+
 # -- driver --------------------------------------------------------------------------------
 
 def _open(path: Path, args: argparse.Namespace) -> Memory:
@@ -460,13 +509,21 @@ def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
             print(f"[{size}] bulk fill, {len(users)} scope(s) x {per_user}", file=sys.stderr)
             fill = {"how": "store tx, pooled vectors (bypasses embedder)",
                     **bulk_fill(mem, users, per_user, pool)}
-        print(f"[{size}] searching scope {users[0]} ({per_user} memories)", file=sys.stderr)
-        search = measure_search(mem, users[0], args.queries, seed=size)
+        lexical = None
+        if args.lexical and not args.database_url:
+            print(f"[{size}] lexical alone: in-memory index vs FTS5", file=sys.stderr)
+            lexical = measure_lexical(mem, users[0], args.queries, seed=size)
+            print(f"  {lexical}", file=sys.stderr)
+        search: dict[str, Any] = {}
+        if not args.no_search:
+            print(f"[{size}] searching scope {users[0]} ({per_user} memories)", file=sys.stderr)
+            search = measure_search(mem, users[0], args.queries, seed=size)
         size_bytes = _pg_bytes(mem) if args.database_url else db_bytes(path)
         rss = rss_bytes()
         mem.close()
         out["sizes"].append({"stored": size, "scopes": len(users), "in_scope": per_user,
-                             "fill": fill, "search": search, "db_bytes": size_bytes,
+                             "fill": fill, "search": search, "lexical": lexical,
+                             "db_bytes": size_bytes,
                              "rss_bytes": rss, "rss_mb_per_100k": rss / 1e6 / (per_user / 1e5)})
         if not args.keep:
             for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
@@ -506,7 +563,7 @@ def report(res: dict[str, Any]) -> str:
         f = s["fill"]
         how = "real" if f["how"].startswith("Memory") else ("reused" if f["how"] == "reused"
                                                             else "bulk")
-        q = s["search"]
+        q = s["search"] or {"first_ms": math.nan, "p50_ms": math.nan, "p95_ms": math.nan}
         lines.append(f"{s['stored']:>9} {s['scopes']:>6} {s['in_scope']:>9} {how:>10} "
                      f"{q['first_ms']:>9.0f} {q['p50_ms']:>7.1f} {q['p95_ms']:>7.1f} "
                      f"{s['db_bytes'] / 1e6:>10.0f} {s['rss_bytes'] / 1e6:>7.0f} "
@@ -519,11 +576,23 @@ def report(res: dict[str, Any]) -> str:
         built = ", ".join(f"{k} {v:.1f} s" for k, v in (b or {}).items())
         lines.append(f"{s['stored']:>9}: fill {f['how']}{rate}; first search: {built or '-'} "
                      "(ann includes its save; slab: loading the dense caches)")
+        if s.get("lexical"):
+            lx = s["lexical"]
+            lines.append(f"{'':>9}  lexical alone ({lx['queries']} queries, 1,000 candidates, wall "
+                         f"p50/p95, CPU p50/p95 ms): in-memory index "
+                         f"{lx['lexicon']['p50_ms']:.1f}/{lx['lexicon']['p95_ms']:.1f}, "
+                         f"{lx['lexicon']['cpu_p50_ms']:.1f}/{lx['lexicon']['cpu_p95_ms']:.1f}; "
+                         f"FTS5 {lx['fts5']['p50_ms']:.1f}/{lx['fts5']['p95_ms']:.1f}, "
+                         f"{lx['fts5']['cpu_p50_ms']:.1f}/{lx['fts5']['cpu_p95_ms']:.1f}; "
+                         f"same scores: {lx['same_scores']}; index built in {lx['build_s']:.1f} s, "
+                         f"+{lx['rss_mb']:.0f} MB RSS")
     lines.append("")
     lines.append("search breakdown, mean ms per query:")
     cols = [*STAGES, "fuse+rank+rest"]
     lines.append(f"{'stored':>9} " + " ".join(f"{c:>13}" for c in cols))
     for s in res["sizes"]:
+        if not s["search"]:
+            continue
         b = s["search"]["breakdown_ms"]
         lines.append(f"{s['stored']:>9} " + " ".join(f"{b[c]:>13.2f}" for c in cols))
     return "\n".join(lines)
@@ -543,6 +612,9 @@ def main() -> None:
                     help="memories per scope (user_id) of the bulk-filled sizes; the first is searched")
     ap.add_argument("--one-scope", action="store_true",
                     help="every size in ONE scope (the --scope-size of the largest size)")
+    ap.add_argument("--lexical", action="store_true",
+                    help="SQLite: also time the lexical retriever alone, in-memory index vs FTS5")
+    ap.add_argument("--no-search", action="store_true", help="skip the Memory.search timing")
     ap.add_argument("--workdir", type=Path, default=RESULTS / "scale")
     ap.add_argument("--keep", action="store_true", help="keep the databases in --workdir")
     ap.add_argument("--reuse", action="store_true", help="search kept databases, skip filling")

@@ -30,7 +30,8 @@ COMMON = ["we", "talked", "about", "today", "really", "went"]
 WORDS = """hiking ramen lisbon kyoto guitar painting adoption counseling pottery museum
 sunrise beach camping violin marathon café résumé co-op 3:30 o'clock festival""".split()
 NAMES = ["Caroline's", "Melanie", "Jon's", "Gina", "Deborah's", "Maria"]
-SCOPES = [Scope("u1"), Scope("u1", session_id="s2"), Scope("u2"), Scope("u1", agent_id="a")]
+SCOPES = [Scope("u1"), Scope("u1", session_id="s2"), Scope("u2"), Scope("u1", agent_id="a"),
+          Scope("u0")]  # u0's scope token ends in "e", which the stemmer drops (`...dce`)
 
 
 def sentence(rng: random.Random) -> str:

@@ -243,7 +243,9 @@ class Lexicon:
         mask = np.zeros(self.n, dtype=bool)
         first = True
         for o in owners:
-            t = self.vocab.get(o)
+            # as FTS5 reads the MATCH: the stemmer may change a scope token (`...dce` is `...dc`)
+            p = self.query_tokens.phrase(o)
+            t = self.vocab.get(p[0]) if len(p) == 1 else None
             docs = self._postings(t)[0] if t is not None else np.zeros(0, dtype=np.int32)
             m = np.zeros(self.n, dtype=bool)
             m[docs] = True
