@@ -512,7 +512,7 @@ def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
         lexical = None
         if args.lexical and not args.database_url:
             print(f"[{size}] lexical alone: in-memory index vs FTS5", file=sys.stderr)
-            lexical = measure_lexical(mem, users[0], args.queries, seed=size)
+            lexical = measure_lexical(mem, users[0], args.lexical_queries, seed=size)
             print(f"  {lexical}", file=sys.stderr)
         search: dict[str, Any] = {}
         if not args.no_search:
@@ -614,6 +614,8 @@ def main() -> None:
                     help="every size in ONE scope (the --scope-size of the largest size)")
     ap.add_argument("--lexical", action="store_true",
                     help="SQLite: also time the lexical retriever alone, in-memory index vs FTS5")
+    ap.add_argument("--lexical-queries", type=int, default=30,
+                    help="queries of --lexical (FTS5 takes seconds each at 1M in one scope)")
     ap.add_argument("--no-search", action="store_true", help="skip the Memory.search timing")
     ap.add_argument("--workdir", type=Path, default=RESULTS / "scale")
     ap.add_argument("--keep", action="store_true", help="keep the databases in --workdir")
