@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,8 +54,8 @@ class Segment:
     keys: np.ndarray    # int64, unique, sorted
     starts: np.ndarray  # int64, len(keys) + 1: postings of keys[i] are [starts[i], starts[i+1])
     docs: np.ndarray    # int32
-    body: np.ndarray    # float64: the term's occurrences in the body
-    context: np.ndarray  # float64: ... in the previous turn
+    body: np.ndarray    # float32 (whole numbers, exact): the term's occurrences in the body
+    context: np.ndarray  # float32: ... in the previous turn
 
     @staticmethod
     def of(keys: np.ndarray, docs: np.ndarray, cols: np.ndarray) -> Segment:
@@ -65,8 +65,10 @@ class Segment:
         new = np.ones(len(keys), dtype=bool)
         new[1:] = (keys[1:] != keys[:-1]) | (docs[1:] != docs[:-1])
         at = np.flatnonzero(new)
-        body = np.add.reduceat((cols == 0).astype(np.float64), at) if len(at) else np.zeros(0)
-        ctx = np.add.reduceat((cols == 1).astype(np.float64), at) if len(at) else np.zeros(0)
+        body = np.add.reduceat((cols == 0).astype(np.float32), at) if len(at) else \
+            np.zeros(0, dtype=np.float32)
+        ctx = np.add.reduceat((cols == 1).astype(np.float32), at) if len(at) else \
+            np.zeros(0, dtype=np.float32)
         pkeys, pdocs = keys[at], docs[at].astype(np.int32)
         ukeys, first = np.unique(pkeys, return_index=True)
         starts = np.append(first, len(pkeys)).astype(np.int64)
@@ -107,7 +109,7 @@ class Lexicon:
         self.lens = np.zeros(0, dtype=np.float64)  # its tokens, all three columns
         self.alive = np.zeros(0, dtype=bool)
         self.ids: list[str] = []                   # its memory's id
-        self.doc_of: dict[int, int] = {}           # rowid -> its live document
+        self.doc_of = np.zeros(0, dtype=np.int32)  # per rowid: its live document, or -1
         self.n = 0
         self.count = 0      # live documents: FTS5's N
         self.total = 0.0    # their tokens: N * avgdl
@@ -170,11 +172,10 @@ class Lexicon:
         self.rids[base:base + len(docs)] = [d[0] for d in docs]
         self.lens[base:base + len(docs)] = lens
         self.alive[base:base + len(docs)] = True
-        for j, d in enumerate(docs):
-            old = self.doc_of.get(d[0])
-            if old is not None:
-                self._kill(old)
-            self.doc_of[d[0]] = base + j
+        rids = np.array([d[0] for d in docs], dtype=np.int64)
+        self._map(int(rids.max()))
+        self._kill_docs(self.doc_of[rids])  # a row indexed again: its old document dies
+        self.doc_of[rids] = np.arange(base, base + len(docs), dtype=np.int32)
         self.ids.extend(d[1] for d in docs)
         self.n = base + len(docs)
         self.count += len(docs)
@@ -191,19 +192,26 @@ class Lexicon:
         alive[:len(self.alive)] = self.alive
         self.alive = alive
 
-    def _kill(self, d: int) -> None:
-        if self.alive[d]:
-            self.alive[d] = False
-            self.count -= 1
-            self.total -= float(self.lens[d])
+    def _kill_docs(self, docs: np.ndarray) -> None:
+        docs = docs[docs >= 0]
+        docs = np.unique(docs[self.alive[docs]])
+        self.alive[docs] = False
+        self.count -= len(docs)
+        self.total -= float(self.lens[docs].sum())  # whole numbers: exact in any order
 
-    def remove(self, rids: Iterable[int]) -> None:
+    def remove(self, rids: Sequence[int]) -> None:
         """The documents of these rows are gone (deleted, or about to be indexed again)."""
-        for rid in rids:
-            d = self.doc_of.pop(rid, None)
-            if d is not None:
-                self._kill(d)
+        held = np.array([rid for rid in rids if rid < len(self.doc_of)], dtype=np.int64)
+        self._kill_docs(self.doc_of[held])
+        self.doc_of[held] = -1
         self._scopes.clear()
+
+    def _map(self, top: int) -> None:
+        """Room in `doc_of` for rowids up to `top`."""
+        if top >= len(self.doc_of):
+            grown = np.full(max(top + 1, 2 * len(self.doc_of)), -1, dtype=np.int32)
+            grown[:len(self.doc_of)] = self.doc_of
+            self.doc_of = grown
 
     def dead_share(self) -> float:
         return 1.0 - self.count / self.n if self.n else 0.0
@@ -284,7 +292,7 @@ class Lexicon:
             if scope is not None:
                 keep = scope[docs]
                 docs, body, ctx = docs[keep], body[keep], ctx[keep]
-            f = body + ctx * previous_weight
+            f = body.astype(np.float64) + ctx.astype(np.float64) * previous_weight
             norm = K1 * (1 - B + B * self.lens[docs] / avgdl)
             score[docs] += idf * ((f * (K1 + 1.0)) / (f + norm))
             hit[docs] = True
