@@ -23,7 +23,7 @@ import numpy as np
 from ...errors import StoreError
 from ...model import Job, JobStatus, MemoryRecord
 from .. import records as r
-from ..base import Candidate, Key, Lexical, Query, Select
+from ..base import Candidate, Key, Lexical, Query
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import ann, schema, sql
 from .conn import BUSY_ERRORS, DB_ERRORS, Connections
@@ -186,7 +186,7 @@ class SQLiteStore(SQLStore):
         return found
 
     def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
-        return set(self.read_ids(Select.of(query, ids=tuple(ids), order=None))) if ids else set()
+        return {row[0] for row in self._read(*sql.visible_ids(query, ids))} if ids else set()
 
     def _ann(self, slab: Slab, key: tuple[Any, ...]) -> ann.Ann:
         """The slab's HNSW index, loaded from its file or built from the live rows, with the
