@@ -1,7 +1,7 @@
 """Scale benchmark: ingest rate, search latency and size on disk at 10k / 100k / 1M memories.
 
     python bench/scale.py [--sizes 10000,100000] [--queries 200] [--json]
-    python bench/scale.py --sizes 10000,100000,1000000      # 1M: ~4 GB on disk, ~15 min
+    python bench/scale.py --sizes 10000,100000,1000000      # 1M: ~6 GB on disk, ~20 min fill
     python bench/scale.py --pg                 # the same on PostgreSQL (a throwaway pgserver)
     python bench/scale.py --database-url postgresql://...   # ... or on any PostgreSQL + pgvector
     python bench/scale.py --sizes 100000,1000000 --one-scope --ingest 0   # each in ONE scope
@@ -19,13 +19,15 @@ How each database is filled:
   consolidation decision, events; all inside `Memory.add`). That run also *is* the 10k
   database when `--ingest` equals the 10k size (the default).
 * Larger sizes bypass the embedder: rows are written through the store's own write
-  transaction (`store.write()` -> `tx.insert(record, [Key("text"), Key("window")], Lexical)`
-  plus the ADD event `Memory.add` would write), with vectors drawn from a pool of really
+  transaction (`store.write()` -> `tx.insert(record, [Key("text"), Key("window")], Lexical)`,
+  on SQLite `tx.insert_many` of 10,000 of them: the same rows, one statement per table, plus
+  the ADD event `Memory.add` would write), with vectors drawn from a pool of really
   embedded synthetic sentences (`--pool`, embedded once and cached as .npy under
   bench/results/cache/), each reused vector with small gaussian noise, renormalised. So the
   index sizes, text lengths and row shapes are realistic; the vector-to-text match is not
   (irrelevant to latency). By default 1M is spread over 10 scopes (user_ids) so the searched
-  scope holds 100k; `--scope-size 1000000` puts all of it in the one searched scope.
+  scope holds 100k; `--one-scope` (or `--scope-size 1000000`) puts all of it in the one
+  searched scope. `--lexical` also times the lexical retriever alone, in-memory index vs FTS5.
 
 On SQLite a scope above the store's `ann_threshold` keys (20k) is searched through its HNSW
 index (the `ann` extra: usearch), built by the first search (`first ms`) and saved beside the
