@@ -98,7 +98,12 @@ class SQLiteStore(SQLStore):
 
     def _forget_ann(self) -> None:
         """Drop the ANN indexes, in memory and on disk: they may hold an erased memory's
-        vectors (they are rebuilt from the table by the next large search)."""
+        vectors (they are rebuilt from the table by the next large search); and the lexical
+        index, whose vocabulary may hold its words."""
+        with self._lex_lock:
+            if self._lex is not None:
+                self._lex.close()
+                self._lex = None
         with self._slabs_lock:
             for slab in self._slabs.values():
                 slab.ann = None
