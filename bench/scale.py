@@ -1,10 +1,10 @@
 """Scale benchmark: ingest rate, search latency and size on disk at 10k / 100k / 1M memories.
 
     python bench/scale.py [--sizes 10000,100000] [--queries 200] [--json]
-    python bench/scale.py --sizes 10000,100000,1000000      # 1M: ~4 GB on disk, ~15 min
+    python bench/scale.py --sizes 10000,100000,1000000      # 1M: ~6 GB on disk, ~20 min fill
     python bench/scale.py --pg                 # the same on PostgreSQL (a throwaway pgserver)
     python bench/scale.py --database-url postgresql://...   # ... or on any PostgreSQL + pgvector
-    python bench/scale.py --sizes 1000000 --scope-size 1000000   # 1M memories in ONE scope
+    python bench/scale.py --sizes 100000,1000000 --one-scope --ingest 0   # each in ONE scope
 
 On PostgreSQL each size is its own tenant of the one database (deleted afterwards unless
 --keep), and the size column is the whole database's.
@@ -19,13 +19,15 @@ How each database is filled:
   consolidation decision, events; all inside `Memory.add`). That run also *is* the 10k
   database when `--ingest` equals the 10k size (the default).
 * Larger sizes bypass the embedder: rows are written through the store's own write
-  transaction (`store.write()` -> `tx.insert(record, [Key("text"), Key("window")], Lexical)`
-  plus the ADD event `Memory.add` would write), with vectors drawn from a pool of really
+  transaction (`store.write()` -> `tx.insert(record, [Key("text"), Key("window")], Lexical)`,
+  on SQLite `tx.insert_many` of 10,000 of them: the same rows, one statement per table, plus
+  the ADD event `Memory.add` would write), with vectors drawn from a pool of really
   embedded synthetic sentences (`--pool`, embedded once and cached as .npy under
   bench/results/cache/), each reused vector with small gaussian noise, renormalised. So the
   index sizes, text lengths and row shapes are realistic; the vector-to-text match is not
   (irrelevant to latency). By default 1M is spread over 10 scopes (user_ids) so the searched
-  scope holds 100k; `--scope-size 1000000` puts all of it in the one searched scope.
+  scope holds 100k; `--one-scope` (or `--scope-size 1000000`) puts all of it in the one
+  searched scope. `--lexical` also times the lexical retriever alone, in-memory index vs FTS5.
 
 On SQLite a scope above the store's `ann_threshold` keys (20k) is searched through its HNSW
 index (the `ann` extra: usearch), built by the first search (`first ms`) and saved beside the
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import statistics
@@ -66,6 +69,7 @@ from engram import Memory  # noqa: E402
 from engram.model import Event, EventType, Kind, MemoryRecord, Scope, new_id  # noqa: E402
 from engram.pipeline.text import content_hash  # noqa: E402
 from engram.store import Key, Lexical  # noqa: E402
+from engram.store.records import insert_event  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCOPE_SIZE = 100_000   # memories per user_id in the bulk-filled databases (--scope-size)
@@ -231,8 +235,15 @@ def _noisy(pool: np.ndarray, idx: np.ndarray, rng: np.random.Generator,
 
 
 def bulk_fill(mem: Memory, users: list[str], per_user: int, pool: np.ndarray,
-              chunk: int = 5000) -> dict[str, float]:
-    """Write rows through the store's transaction with pooled vectors (no embedder)."""
+              chunk: int = 10_000) -> dict[str, float]:
+    """Write rows through the store's transaction with pooled vectors (no embedder).
+
+    On SQLite a chunk goes in through `SQLiteTx.insert_many` (a statement per table for the
+    chunk: the same rows, keys, FTS5 entries and log as `insert` per row) and its ADD events
+    in one `executemany` of the statement `tx.append` runs; elsewhere row by row. The event's
+    `after` is the record's `to_dict()`, built from the first record's (same fields, same
+    order: the difference is only the per-row values), checked against `to_dict()` once per
+    chunk."""
     rng = np.random.default_rng(3)
     gen = messages(seed=4)
     base = datetime(2023, 1, 1, tzinfo=UTC)
@@ -240,6 +251,7 @@ def bulk_fill(mem: Memory, users: list[str], per_user: int, pool: np.ndarray,
     total = len(users) * per_user
     t0 = time.perf_counter()
     written = 0
+    reason = "episodes are events, never merged"
     for user in users:
         prev_vec: np.ndarray | None = None
         prev_text = ""
@@ -247,27 +259,48 @@ def bulk_fill(mem: Memory, users: list[str], per_user: int, pool: np.ndarray,
             k = min(chunk, per_user - start)
             idx = rng.integers(0, len(pool), k)
             text_vecs = _noisy(pool, idx, rng)
+            rows: list[tuple[MemoryRecord, list[Key], Lexical]] = []
+            afters: list[dict[str, Any]] = []
+            template: dict[str, Any] | None = None
+            for j in range(k):
+                i = start + j
+                name, text = next(gen)
+                own = speaker_text(name, text)
+                vec = text_vecs[j]
+                window = vec if prev_vec is None or i % SESSION_LEN == 0 else (
+                    0.7 * vec + 0.3 * prev_vec)
+                window = (window / np.linalg.norm(window)).astype(np.float32)
+                when = base + timedelta(hours=i // SESSION_LEN)
+                rec = MemoryRecord(
+                    id=new_id(), scope=Scope(user, None, f"s{i // SESSION_LEN}"),
+                    kind=Kind.EPISODIC, text=text, metadata={}, importance=0.5, role="user",
+                    name=name, created_at=now, updated_at=now, observed_at=when,
+                    valid_from=when, content_hash=content_hash(text))
+                if template is None:
+                    template = rec.to_dict()
+                    after = template
+                else:
+                    at = when.isoformat()
+                    after = {**template, "id": rec.id, "scope": rec.scope.as_dict(), "text": text,
+                             "name": name, "observed_at": at, "valid_from": at,
+                             "content_hash": rec.content_hash, "metadata": {}}
+                context = prev_text if i % SESSION_LEN else ""
+                rows.append((rec, [Key("text", vec), Key("window", window)], Lexical(own, context)))
+                afters.append(after)
+                prev_vec, prev_text = vec, own
+            assert afters[-1] == rows[-1][0].to_dict(), "the event must be what Memory.add writes"
+            events = [Event(id=new_id(), memory_id=rec.id, type=EventType.ADD, at=now,
+                            scope=rec.scope, after=after, reason=reason)
+                      for (rec, _, _), after in zip(rows, afters, strict=True)]
             with mem.store.write() as tx:
-                for j in range(k):
-                    i = start + j
-                    name, text = next(gen)
-                    own = speaker_text(name, text)
-                    vec = text_vecs[j]
-                    window = vec if prev_vec is None or i % SESSION_LEN == 0 else (
-                        0.7 * vec + 0.3 * prev_vec)
-                    window = (window / np.linalg.norm(window)).astype(np.float32)
-                    when = base + timedelta(hours=i // SESSION_LEN)
-                    rec = MemoryRecord(
-                        id=new_id(), scope=Scope(user, None, f"s{i // SESSION_LEN}"),
-                        kind=Kind.EPISODIC, text=text, metadata={}, importance=0.5, role="user",
-                        name=name, created_at=now, updated_at=now, observed_at=when,
-                        valid_from=when, content_hash=content_hash(text))
-                    context = prev_text if i % SESSION_LEN else ""
-                    tx.insert(rec, [Key("text", vec), Key("window", window)], Lexical(own, context))
-                    tx.append(Event(id=new_id(), memory_id=rec.id, type=EventType.ADD, at=now,
-                                    scope=rec.scope, after=rec.to_dict(),
-                                    reason="episodes are events, never merged"))
-                    prev_vec, prev_text = vec, own
+                if hasattr(tx, "insert_many"):  # SQLite
+                    tx.insert_many(rows)
+                    stmts = [insert_event(mem.store.dialect, "", e) for e in events]  # type: ignore[attr-defined]
+                    tx.conn.executemany(stmts[0][0], [p for _, p in stmts])  # type: ignore[attr-defined]
+                else:
+                    for (rec, keys, lex), e in zip(rows, events, strict=True):
+                        tx.insert(rec, keys, lex)
+                        tx.append(e)
             written += k
             if written % 50_000 == 0 or written == total:
                 rate = written / (time.perf_counter() - t0)
@@ -312,11 +345,39 @@ def _instrument(mem: Memory, acc: dict[str, float]) -> Callable[[], None]:
     return undo
 
 
+def _instrument_builds(mem: Memory, acc: dict[str, float]) -> Callable[[], None]:
+    """On SQLite, time what the first search builds: the dense caches (`_slab`, which loads
+    every key of the scope), the HNSW indexes (`_ann`) and the lexical index (`_lexicon`)."""
+    store = mem.store
+    names = [n for n in ("_slab", "_ann", "_lexicon") if hasattr(store, n)]
+    for name in names:
+        fn = getattr(store, name)
+
+        def timed(*a: Any, _fn: Any = fn, _n: str = name, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                acc[_n.lstrip("_")] += time.perf_counter() - t
+        setattr(store, name, timed)
+
+    def undo() -> None:
+        for name in names:
+            delattr(store, name)
+    return undo
+
+
 def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
                    warmup: int = 5) -> dict[str, Any]:
     qs = questions(n_queries + warmup, seed)
+    # the first search loads the caches and builds the indexes: time the builds apart
+    builds: dict[str, float] = defaultdict(float)
+    undo_builds = _instrument_builds(mem, builds)
     t0 = time.perf_counter()
-    mem.search(qs[0], user_id=user_id, limit=10)
+    try:
+        mem.search(qs[0], user_id=user_id, limit=10)
+    finally:
+        undo_builds()
     first = time.perf_counter() - t0
     for q in qs[1:warmup]:
         mem.search(q, user_id=user_id, limit=10)
@@ -337,10 +398,63 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
     breakdown["fuse+rank+rest"] = 1000 * (total - sum(acc.values())) / len(lat)
     return {
         "queries": len(lat), "first_ms": 1000 * first,
+        "builds_s": dict(builds),
         "p50_ms": 1000 * statistics.median(lat),
         "p95_ms": 1000 * lat[min(len(lat) - 1, int(round(0.95 * len(lat))) - 1)],
         "mean_ms": 1000 * total / len(lat), "breakdown_ms": breakdown,
     }
+
+
+def measure_lexical(mem: Memory, user_id: str, n_queries: int, seed: int,
+                    k: int = 1000) -> dict[str, Any]:
+    """SQLite: the lexical retriever alone, as a search asks it (`k` candidates, the query's
+    terms), on the in-memory index (lexicon.py) and on FTS5, the same queries on both: their
+    times (thread CPU and wall), the index's build time and the process's RSS growth, and
+    whether every answer has the same scores."""
+    from engram.pipeline.text import terms
+    from engram.store import Query
+    from engram.store.sqlite import sql as sqlite_sql
+
+    store: Any = mem.store
+    query = Query(scope=Scope(user_id), now=datetime.now(UTC))
+    qs = [terms(q) for q in questions(n_queries, seed + 1)]
+    # The `text` cache first, as the dense half of every search loads it: the lexicon reads
+    # visibility from it (without it, the tables answer, through whichever index SQLite picks)
+    dim = len(mem.embedder.embed_batch(["x"])[0])
+    store._slab(query, "text", dim)
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    with store._lex_lock:
+        built = store._lexicon() is not None
+    build = time.perf_counter() - t0
+    assert built, "the database is below ENGRAM_LEXICON_THRESHOLD"
+    rss1 = rss_bytes()
+    out: dict[str, Any] = {"build_s": build, "rss_mb": (rss1 - rss0) / 1e6}
+    answers: dict[str, list[list[float]]] = {}
+    for how in ("lexicon", "fts5"):
+        wall, cpu, found = [], [], []
+        for words in qs:
+            t, c = time.perf_counter(), time.thread_time()
+            if how == "lexicon":
+                hits = store.lexical(query, words, k, 0.5)
+            else:
+                hits = [(row[0], float(row[1])) for row in store._read(
+                    *sqlite_sql.lexical(query, words, k, 0.5))]
+            cpu.append(time.thread_time() - c)
+            wall.append(time.perf_counter() - t)
+            found.append([s for _, s in hits])
+        wall.sort()
+        cpu.sort()
+        answers[how] = found
+        out[how] = {"p50_ms": 1000 * statistics.median(wall),
+                    "p95_ms": 1000 * wall[int(0.95 * len(wall)) - 1],
+                    "cpu_p50_ms": 1000 * statistics.median(cpu),
+                    "cpu_p95_ms": 1000 * cpu[int(0.95 * len(cpu)) - 1]}
+    out["same_scores"] = all(
+        len(a) == len(b) and all(abs(x - y) <= 1e-9 for x, y in zip(a, b, strict=True))
+        for a, b in zip(answers["lexicon"], answers["fts5"], strict=True))
+    out["queries"] = len(qs)
+    return out
 
 
 # -- driver --------------------------------------------------------------------------------
@@ -401,13 +515,21 @@ def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
             print(f"[{size}] bulk fill, {len(users)} scope(s) x {per_user}", file=sys.stderr)
             fill = {"how": "store tx, pooled vectors (bypasses embedder)",
                     **bulk_fill(mem, users, per_user, pool)}
-        print(f"[{size}] searching scope {users[0]} ({per_user} memories)", file=sys.stderr)
-        search = measure_search(mem, users[0], args.queries, seed=size)
+        lexical = None
+        if args.lexical and not args.database_url:
+            print(f"[{size}] lexical alone: in-memory index vs FTS5", file=sys.stderr)
+            lexical = measure_lexical(mem, users[0], args.lexical_queries, seed=size)
+            print(f"  {lexical}", file=sys.stderr)
+        search: dict[str, Any] = {}
+        if not args.no_search:
+            print(f"[{size}] searching scope {users[0]} ({per_user} memories)", file=sys.stderr)
+            search = measure_search(mem, users[0], args.queries, seed=size)
         size_bytes = _pg_bytes(mem) if args.database_url else db_bytes(path)
         rss = rss_bytes()
         mem.close()
         out["sizes"].append({"stored": size, "scopes": len(users), "in_scope": per_user,
-                             "fill": fill, "search": search, "db_bytes": size_bytes,
+                             "fill": fill, "search": search, "lexical": lexical,
+                             "db_bytes": size_bytes,
                              "rss_bytes": rss, "rss_mb_per_100k": rss / 1e6 / (per_user / 1e5)})
         if not args.keep:
             for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
@@ -447,17 +569,36 @@ def report(res: dict[str, Any]) -> str:
         f = s["fill"]
         how = "real" if f["how"].startswith("Memory") else ("reused" if f["how"] == "reused"
                                                             else "bulk")
-        q = s["search"]
+        q = s["search"] or {"first_ms": math.nan, "p50_ms": math.nan, "p95_ms": math.nan}
         lines.append(f"{s['stored']:>9} {s['scopes']:>6} {s['in_scope']:>9} {how:>10} "
                      f"{q['first_ms']:>9.0f} {q['p50_ms']:>7.1f} {q['p95_ms']:>7.1f} "
                      f"{s['db_bytes'] / 1e6:>10.0f} {s['rss_bytes'] / 1e6:>7.0f} "
                      f"{s['rss_mb_per_100k']:>8.0f}")
     lines.append("targets: p50 <= 15 ms at 10k in scope; p95 <= 50 ms with 1M in one scope")
+    for s in res["sizes"]:
+        b = s["search"].get("builds_s")
+        f = s["fill"]
+        rate = f" at {f['rows_per_s']:.0f} rows/s" if "rows_per_s" in f else ""
+        built = ", ".join(f"{k} {v:.1f} s" for k, v in (b or {}).items())
+        lines.append(f"{s['stored']:>9}: fill {f['how']}{rate}; first search: {built or '-'} "
+                     "(ann includes its save; slab: loading the dense caches)")
+        if s.get("lexical"):
+            lx = s["lexical"]
+            lines.append(f"{'':>9}  lexical alone ({lx['queries']} queries, 1,000 candidates, wall "
+                         f"p50/p95, CPU p50/p95 ms): in-memory index "
+                         f"{lx['lexicon']['p50_ms']:.1f}/{lx['lexicon']['p95_ms']:.1f}, "
+                         f"{lx['lexicon']['cpu_p50_ms']:.1f}/{lx['lexicon']['cpu_p95_ms']:.1f}; "
+                         f"FTS5 {lx['fts5']['p50_ms']:.1f}/{lx['fts5']['p95_ms']:.1f}, "
+                         f"{lx['fts5']['cpu_p50_ms']:.1f}/{lx['fts5']['cpu_p95_ms']:.1f}; "
+                         f"same scores: {lx['same_scores']}; index built in {lx['build_s']:.1f} s, "
+                         f"+{lx['rss_mb']:.0f} MB RSS")
     lines.append("")
     lines.append("search breakdown, mean ms per query:")
     cols = [*STAGES, "fuse+rank+rest"]
     lines.append(f"{'stored':>9} " + " ".join(f"{c:>13}" for c in cols))
     for s in res["sizes"]:
+        if not s["search"]:
+            continue
         b = s["search"]["breakdown_ms"]
         lines.append(f"{s['stored']:>9} " + " ".join(f"{b[c]:>13.2f}" for c in cols))
     return "\n".join(lines)
@@ -475,6 +616,13 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=200, help="distinct queries per size")
     ap.add_argument("--scope-size", type=int, default=SCOPE_SIZE,
                     help="memories per scope (user_id) of the bulk-filled sizes; the first is searched")
+    ap.add_argument("--one-scope", action="store_true",
+                    help="every size in ONE scope (the --scope-size of the largest size)")
+    ap.add_argument("--lexical", action="store_true",
+                    help="SQLite: also time the lexical retriever alone, in-memory index vs FTS5")
+    ap.add_argument("--lexical-queries", type=int, default=30,
+                    help="queries of --lexical (FTS5 takes seconds each at 1M in one scope)")
+    ap.add_argument("--no-search", action="store_true", help="skip the Memory.search timing")
     ap.add_argument("--workdir", type=Path, default=RESULTS / "scale")
     ap.add_argument("--keep", action="store_true", help="keep the databases in --workdir")
     ap.add_argument("--reuse", action="store_true", help="search kept databases, skip filling")
@@ -499,6 +647,8 @@ def main() -> None:
         import torch
         torch.set_num_threads(args.torch_threads)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    if args.one_scope:
+        args.scope_size = max(sizes)
     try:
         res = run(sizes, args)
     finally:

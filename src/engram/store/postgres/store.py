@@ -24,7 +24,7 @@ from ...errors import InvalidInput, StoreBusy, StoreUnavailable
 from ...model import Job, MemoryRecord, Scope
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
-from ..sqlite.slab import Slab
+from ..slab import Slab
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import bm25, schema, sql
 from .pool import Connection, Pool, translate

@@ -170,6 +170,20 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
         "CREATE UNIQUE INDEX entities_key ON entities "
         "(coalesce(user_id, ''), coalesce(agent_id, ''), key)",
     ]),
+    # What the in-memory lexical index (lexicon.py) needs to follow `memory_fts`: a write that
+    # may change a row's entry logs the row (its rid, the entry's rowid), in the same
+    # transaction. A trigger cannot watch the FTS5 table, but every change to it comes with a
+    # change to its memory: an insert, an update that sets the text (`update` sets every
+    # column; access counts do not), a soft delete, an erase.
+    ("0005_lexicon_log", [
+        "CREATE TABLE lex_log (id INTEGER PRIMARY KEY AUTOINCREMENT, rid INTEGER NOT NULL)",
+        "CREATE TRIGGER memories_lex_insert AFTER INSERT ON memories "
+        "BEGIN INSERT INTO lex_log(rid) VALUES (new.rid); END",
+        "CREATE TRIGGER memories_lex_update AFTER UPDATE OF text, deleted_at ON memories "
+        "BEGIN INSERT INTO lex_log(rid) VALUES (new.rid); END",
+        "CREATE TRIGGER memories_lex_delete AFTER DELETE ON memories "
+        "BEGIN INSERT INTO lex_log(rid) VALUES (old.rid); END",
+    ]),
 ]
 
 

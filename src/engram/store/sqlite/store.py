@@ -23,11 +23,12 @@ import numpy as np
 from ...errors import StoreError
 from ...model import Job, JobStatus, MemoryRecord
 from .. import records as r
-from ..base import Candidate, Key, Lexical, Query, Select
+from ..base import Candidate, Key, Lexical, Query
+from ..slab import Slab, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import ann, schema, sql
 from .conn import BUSY_ERRORS, DB_ERRORS, Connections
-from .slab import Slab, unit
+from .lexicon import MAX_DEAD, Lexicon
 
 log = logging.getLogger("engram.store")
 
@@ -39,16 +40,22 @@ class SQLiteStore(SQLStore):
     MAX_SLABS = 16
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0,
-                 key: str | None = None, ann_threshold: int = 20_000) -> None:
+                 key: str | None = None, ann_threshold: int = 20_000,
+                 lexicon_threshold: int = 20_000) -> None:
         """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
         scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
-        extra, else always exact), saved beside the database in `<file>.ann/`."""
+        extra, else always exact), saved beside the database in `<file>.ann/`.
+        `lexicon_threshold`: once the full-text index holds more rows than this, lexical
+        searches run on an in-memory copy of it (lexicon.py: the same scores as FTS5)."""
         self.path = Path(path)
         self._ann_dir: Path | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._ann_dir = self.path.parent / f"{self.path.name}.ann"
         self.ann_threshold = ann_threshold
+        self.lexicon_threshold = lexicon_threshold
+        self._lex: Lexicon | None = None
+        self._lex_lock = threading.Lock()
         self.busy_timeout_s = busy_timeout_s
         self._db = Connections(self.path, busy_timeout_s=busy_timeout_s, key=key)
         self._local = threading.local()  # .dirty: this thread's open write changed keys
@@ -69,6 +76,10 @@ class SQLiteStore(SQLStore):
         return nullcontext(self._db.read)
 
     def close(self) -> None:
+        with self._lex_lock:
+            if self._lex is not None:
+                self._lex.close()
+                self._lex = None
         self._db.close()
 
     @contextmanager
@@ -87,7 +98,12 @@ class SQLiteStore(SQLStore):
 
     def _forget_ann(self) -> None:
         """Drop the ANN indexes, in memory and on disk: they may hold an erased memory's
-        vectors (they are rebuilt from the table by the next large search)."""
+        vectors (they are rebuilt from the table by the next large search); and the lexical
+        index, whose vocabulary may hold its words."""
+        with self._lex_lock:
+            if self._lex is not None:
+                self._lex.close()
+                self._lex = None
         with self._slabs_lock:
             for slab in self._slabs.values():
                 slab.ann = None
@@ -134,6 +150,7 @@ class SQLiteStore(SQLStore):
                     if dead:
                         slab.kill([d[1] for d in dead])
                         slab.tomb_max = dead[-1][0]
+                first_load = slab.n == 0
                 rows = self._read(*sql.new_keys(scope, key_name, slab.max_seq, slab.rich))
                 if rows:
                     vecs = np.frombuffer(b"".join(row[2] for row in rows), dtype=np.float32)
@@ -142,6 +159,10 @@ class SQLiteStore(SQLStore):
                                 self.dialect)
                     if in_tx:  # their rows may carry this write's uncommitted changes
                         slab.rows_version = -1
+                    elif first_load:
+                        # every row was just read, after `rows_version`: its attributes are
+                        # at least that fresh (no second read of them all)
+                        slab.rows_version = rows_version
                 slab.version = version
             if not in_tx and slab.rows_version != rows_version:
                 slab.reset_attrs(self._read(*sql.key_attrs(scope, key_name, slab.max_seq, slab.rich)),
@@ -170,7 +191,7 @@ class SQLiteStore(SQLStore):
         return found
 
     def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
-        return set(self.read_ids(Select.of(query, ids=tuple(ids), order=None))) if ids else set()
+        return {row[0] for row in self._read(*sql.visible_ids(query, ids))} if ids else set()
 
     def _ann(self, slab: Slab, key: tuple[Any, ...]) -> ann.Ann:
         """The slab's HNSW index, loaded from its file or built from the live rows, with the
@@ -234,28 +255,7 @@ class SQLiteStore(SQLStore):
                 return hits
         if exact:
             with self._slabs_lock:
-                rows = np.flatnonzero(slab.visible(query))
-                sims = slab.mat[rows] @ vector if len(rows) < slab.n // 2 else \
-                    (slab.mat[:slab.n] @ vector)[rows]
-                mids = slab.memory_ids
-                # Without metadata conditions the cache decides; with them, the database
-                # checks the best candidates in growing pools.
-                pool = min(len(rows), k if not query.conditions else 4 * k + 64)
-                while True:
-                    top = np.argpartition(-sims, pool - 1)[:pool] if pool < len(rows) \
-                        else np.arange(len(rows))
-                    top = top[np.argsort(-sims[top], kind="stable")]
-                    # each memory's best key (`top` is best first)
-                    _, first = np.unique(slab.codes[rows[top]], return_index=True)
-                    top = top[np.sort(first)]
-                    best = dict(zip([mids[r] for r in rows[top].tolist()], sims[top].tolist(),
-                                    strict=True))
-                    if query.conditions:
-                        visible = self._visible(query, list(best))
-                        best = {mid: s for mid, s in best.items() if mid in visible}
-                    if len(best) >= k or pool >= len(rows):
-                        return list(best.items())[:k]
-                    pool = min(len(rows), pool * 4)
+                return slab.top(query, vector, k, lambda ids: self._visible(query, ids))
         # Inside a write: check each candidate against the tables.
         with self._slabs_lock:
             n = slab.n
@@ -294,10 +294,63 @@ class SQLiteStore(SQLStore):
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
-        if not terms:
+        if not terms or k <= 0:
             return []
+        # Not inside a write: its changes may yet roll back (FTS5 sees them, and answers).
+        if not self._db.get().in_transaction:
+            with self._lex_lock:
+                lex = self._lexicon()
+                hits = None if lex is None else lex.search(
+                    terms, sql.owner_tokens(query.scope), k, previous_weight,
+                    lambda ids: self._lexical_visible(query, ids))
+            if hits is not None:
+                return hits
+            if lex is not None:
+                log.debug("lexical: a phrase of three tokens or more, FTS5 answers")
         return [(row[0], float(row[1]))
                 for row in self._read(*sql.lexical(query, terms, k, previous_weight))]
+
+    def _lexicon(self) -> Lexicon | None:
+        """The in-memory lexical index, brought up to date with `lex_log`; None while the
+        database is small. Call with `_lex_lock` held."""
+        (last, block), = self._read(sql.LEX_STATE)
+        lex = self._lex
+        if lex is None and sql.fts_row_count(block) <= self.lexicon_threshold:
+            return None
+        if lex is not None and lex.version != last:
+            changed = self._read("SELECT id, rid FROM lex_log WHERE id > ? ORDER BY id",
+                                 [lex.version])
+            if changed:
+                rids = sorted({row[1] for row in changed})
+                lex.remove(rids)
+                chunk = self.dialect.chunk
+                lex.add([row for i in range(0, len(rids), chunk)
+                         for row in self._read(*sql.fts_rows(rids[i:i + chunk]))])
+                lex.version = changed[-1][0]
+            if lex.dead_share() > MAX_DEAD:
+                lex.close()
+                lex = self._lex = None
+        if lex is None:
+            # the log first: a row written in between is read here and again from the log
+            lex = Lexicon()
+            lex.version = last
+            lex.add(self._read(*sql.fts_rows()))
+            log.info("built the lexical index over %d rows", lex.count)
+            self._lex = lex
+        return lex
+
+    def _lexical_visible(self, query: Query, ids: list[str]) -> set[str]:
+        """The ids `query` may see: from the `text` cache when it is exact (no SQL), else the
+        tables decide (as the FTS5 query's conditions do). Call with the lexicon's lock."""
+        s = query.scope
+        with self._slabs_lock:
+            slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, "text"))
+        if slab is not None and not query.conditions:
+            slab, exact = self._slab(query, "text", slab.mat.shape[1])
+            if exact:
+                with self._slabs_lock:
+                    return slab.visible_ids(query, ids)
+        return self._visible(query, ids)
 
     def touch(self, ids: Sequence[str], at: datetime) -> None:
         if not ids:
@@ -366,6 +419,29 @@ class SQLiteTx(SQLTx):
         assert cur.lastrowid is not None
         self._exec(*sql.index_text(cur.lastrowid, record.scope, lexical.body, lexical.previous))
         self._put_keys(record.id, keys)
+
+    def insert_many(self, rows: Sequence[tuple[MemoryRecord, Sequence[Key], Lexical]]) -> None:
+        """`insert` of each row, a statement per table (bulk loads: the same rows, keys and
+        FTS5 entries as one `insert` per row). The transaction holds the write lock, so
+        the rids SQLite would give them one by one are the next ones after the largest."""
+        if not rows:
+            return
+        c = self.conn
+        (top,), = c.execute("SELECT coalesce(max(rid), 0) FROM memories")
+        rids = range(top + 1, top + 1 + len(rows))
+        names = ("rid", *r.MEMORY_COLUMNS)
+        c.executemany(f"INSERT INTO memories ({', '.join(names)}) VALUES "
+                      f"({self.dialect.marks(len(names))})",
+                      [[rid, *r.memory_values(self.dialect, rec)]
+                       for rid, (rec, _, _) in zip(rids, rows, strict=True)])
+        c.executemany(sql.index_text(0, rows[0][0].scope, "", "")[0],
+                      [sql.index_text(rid, rec.scope, lex.body, lex.previous)[1]
+                       for rid, (rec, _, lex) in zip(rids, rows, strict=True)])
+        c.executemany("INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
+                      [(rec.id, k.name, np.asarray(k.vector, dtype=np.float32).tobytes())
+                       for rec, keys, _ in rows for k in keys])
+        self.keys_changed = True
+        self.local.dirty = True
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
         self.conn.executemany(

@@ -1,18 +1,21 @@
-"""The SQLite store's dense search cache: the vectors of one scope and key name in a numpy
+"""The dense search cache of both stores: the vectors of one scope and key name in a numpy
 matrix, with what visibility needs per row, so a search filters and scores in numpy; the
-`text` slab also holds each memory's ranking fields, so the candidate pool costs no SQL."""
+`text` slab also holds each memory's ranking fields, so the candidate pool costs no SQL.
+Each store follows its database into it (sqlite/store.py, postgres/store.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...model import Kind
-from ..base import Candidate, Query, Seen
-from ..records import CANDIDATE_COLUMNS, Dialect, read_candidates, time_bounds
-from .ann import Ann
+from ..model import Kind
+from .base import Candidate, Query, Seen
+from .records import CANDIDATE_COLUMNS, Dialect, read_candidates, time_bounds
+
+if TYPE_CHECKING:
+    from .sqlite.ann import Ann
 
 _KIND_CODES = {k.value: i for i, k in enumerate(Kind)}
 TIMES = ("expires_at", "valid_from", "valid_to")  # cached per row, in this order
@@ -158,18 +161,28 @@ class Slab:
             for i, c in zip(idx.tolist(), self._candidates(attrs, d), strict=True):
                 self.cands[i] = c
 
-    def visible(self, query: Query) -> np.ndarray:
-        """Rows `query` may see, except for its metadata conditions: the visibility rule
-        (`records.time_bounds`, the same bounds the SQL renders) on the cached attributes."""
-        n = self.n
-        mask = self.alive[:n] & self.ok[:n]
+    def visible(self, query: Query, rows: np.ndarray | None = None) -> np.ndarray:
+        """Rows `query` may see (of all rows, or of `rows`), except for its metadata
+        conditions: the visibility rule (`records.time_bounds`, the same bounds the SQL
+        renders) on the cached attributes."""
+        at = slice(0, self.n) if rows is None else rows
+        mask = self.alive[at] & self.ok[at]
         for b in time_bounds(Seen.VISIBLE, query.now, query.as_of):
-            col: np.ndarray = getattr(self, b.column)[:n]
+            col: np.ndarray = getattr(self, b.column)[at]
             t = b.at.timestamp()
             mask &= np.isnan(col) | ((col > t) if b.op == ">" else (col <= t))
         if query.kinds:
-            mask &= np.isin(self.kind[:n], [_KIND_CODES[k.value] for k in query.kinds])
+            mask &= np.isin(self.kind[at], [_KIND_CODES[k.value] for k in query.kinds])
         return mask
+
+    def visible_ids(self, query: Query, ids: Sequence[str]) -> set[str]:
+        """The ids (of memories) `query` may see, except for its metadata conditions, by the
+        latest row of each (a rich slab); an id it does not hold is not visible."""
+        rows = [self.row_of.get(mid, -1) for mid in ids]
+        held = np.array(rows, dtype=np.int64)
+        mask = held >= 0
+        mask[mask] = self.visible(query, held[mask])
+        return {mid for mid, ok in zip(ids, mask.tolist(), strict=True) if ok}
 
     def first_per_memory(self, rows: np.ndarray) -> np.ndarray:
         """`rows` (best first) keeping each memory's first row only."""

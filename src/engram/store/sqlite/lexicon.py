@@ -1,0 +1,322 @@
+"""The SQLite store's lexical index in memory, for large databases: FTS5's `bm25()` without
+scanning FTS5's matches per query.
+
+`memory_fts` ranks a search with BM25 over every row a term matches in the scope; at 100k rows
+in one scope that is ~60 ms of CPU per query, and it grows with the scope. This index holds the
+same postings in numpy arrays and computes the very score `bm25(memory_fts, 1.0, w, 0.0)`
+gives (store/postgres/bm25.py states the formula and its constants, which both stores share):
+
+* documents are the rows of `memory_fts` (every scope: FTS5's N, avgdl and a phrase's IDF count
+  the whole table), tokenised by FTS5 itself (an in-memory FTS5 table with the same tokenizer,
+  read back through `fts5vocab`), so a word stems, folds and splits exactly as it is indexed;
+* a term is a token or a pair of adjacent tokens of one column (a quoted query term is a
+  phrase: `caroline's` is `carolin s`, found through the pair); its postings are the documents
+  holding it, with its count in the body and in the previous-turn context. Phrases of three
+  tokens or more are rare and are left to FTS5 (`search` returns None);
+* a document's length counts all three columns (the scope tokens too), as FTS5's does, and the
+  scope of a search is the documents holding all its scope tokens, as in the SQL MATCH.
+
+It follows the database exactly: every change to `memory_fts` logs the row in `lex_log` (in
+the same transaction, by triggers on `memories`: schema.py), and a search first applies the
+log entries past the ones it has seen (any process may have written them): the row's old
+document dies, its current content (if any) is indexed again. New documents go to small
+segments, merged when they are many; a quarter dead rebuilds the whole index.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..postgres.bm25 import K1, MIN_IDF, TOKENIZE, B, Tokenizer
+
+Doc = tuple[int, str, str, str, str]  # (rid, memory id, body, context, owner) of a memory_fts row
+MAX_SEGMENTS = 8
+MAX_DEAD = 0.25
+BATCH = 20_000       # documents tokenised at once while building
+
+
+def pair_key(a: Any, b: Any) -> Any:
+    """The key of two adjacent tokens (ints or int64 arrays): a token id is < 2**31."""
+    return ((a + 1) << 31) | b
+
+
+@dataclass
+class Segment:
+    """Postings of a batch of documents: for each term key (sorted), the documents holding it
+    (ascending) with its counts in the body and the context column."""
+
+    keys: np.ndarray    # int64, unique, sorted
+    starts: np.ndarray  # int64, len(keys) + 1: postings of keys[i] are [starts[i], starts[i+1])
+    docs: np.ndarray    # int32
+    body: np.ndarray    # float32 (whole numbers, exact): the term's occurrences in the body
+    context: np.ndarray  # float32: ... in the previous turn
+
+    @staticmethod
+    def of(keys: np.ndarray, docs: np.ndarray, cols: np.ndarray) -> Segment:
+        """From one entry per occurrence (term key, document, column 0/1/2)."""
+        order = np.lexsort((docs, keys))
+        keys, docs, cols = keys[order], docs[order], cols[order]
+        new = np.ones(len(keys), dtype=bool)
+        new[1:] = (keys[1:] != keys[:-1]) | (docs[1:] != docs[:-1])
+        at = np.flatnonzero(new)
+        body = np.add.reduceat((cols == 0).astype(np.float32), at) if len(at) else \
+            np.zeros(0, dtype=np.float32)
+        ctx = np.add.reduceat((cols == 1).astype(np.float32), at) if len(at) else \
+            np.zeros(0, dtype=np.float32)
+        pkeys, pdocs = keys[at], docs[at].astype(np.int32)
+        ukeys, first = np.unique(pkeys, return_index=True)
+        starts = np.append(first, len(pkeys)).astype(np.int64)
+        return Segment(ukeys, starts, pdocs, body, ctx)
+
+    @staticmethod
+    def merged(parts: Sequence[Segment]) -> Segment:
+        keys = np.concatenate([np.repeat(p.keys, np.diff(p.starts)) for p in parts])
+        docs = np.concatenate([p.docs for p in parts])
+        order = np.lexsort((docs, keys))
+        keys = keys[order]
+        ukeys, first = np.unique(keys, return_index=True)
+        return Segment(ukeys, np.append(first, len(keys)).astype(np.int64), docs[order],
+                       np.concatenate([p.body for p in parts])[order],
+                       np.concatenate([p.context for p in parts])[order])
+
+    def postings(self, key: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        i = int(np.searchsorted(self.keys, key))
+        if i == len(self.keys) or self.keys[i] != key:
+            return None
+        s, e = self.starts[i], self.starts[i + 1]
+        return self.docs[s:e], self.body[s:e], self.context[s:e]
+
+
+class Lexicon:
+    """BM25 postings of every row of `memory_fts`, exact as of log entry `version`."""
+
+    def __init__(self) -> None:
+        self._fts = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        self._fts.execute("CREATE VIRTUAL TABLE t USING fts5(a, b, c, content='', "
+                          f"tokenize='{TOKENIZE}')")
+        self._fts.execute("CREATE VIRTUAL TABLE v USING fts5vocab(t, 'instance')")
+        self._fts.execute("CREATE VIRTUAL TABLE vr USING fts5vocab(t, 'row')")
+        self.query_tokens = Tokenizer()  # a query term's phrase, as FTS5 parses it
+        self.vocab: dict[str, int] = {}
+        self.segments: list[Segment] = []
+        self.rids = np.zeros(0, dtype=np.int64)   # per document: its memory_fts rowid
+        self.lens = np.zeros(0, dtype=np.float64)  # its tokens, all three columns
+        self.alive = np.zeros(0, dtype=bool)
+        self.ids: list[str] = []                   # its memory's id
+        self.doc_of = np.zeros(0, dtype=np.int32)  # per rowid: its live document, or -1
+        self.n = 0
+        self.count = 0      # live documents: FTS5's N
+        self.total = 0.0    # their tokens: N * avgdl
+        self.version = -1   # the last lex_log id applied; -1: not built
+        self._scopes: dict[tuple[str, ...], tuple[int, np.ndarray]] = {}
+
+    def close(self) -> None:
+        self._fts.close()
+        self.query_tokens.close()
+
+    # -- keeping it exact ----------------------------------------------------------------------
+
+    def add(self, docs: Sequence[Doc]) -> None:
+        """Index rows (read from memory_fts), as new documents."""
+        for i in range(0, len(docs), BATCH):
+            self._add(docs[i:i + BATCH])
+        # the small segments of the latest writes merge with each other; with the first,
+        # largest one only once they add up to a quarter of it
+        if len(self.segments) > MAX_SEGMENTS:
+            first, *rest = self.segments
+            tail = Segment.merged(rest)
+            self.segments = [Segment.merged([first, tail])] \
+                if len(tail.docs) > len(first.docs) // 4 else [first, tail]
+
+    def _add(self, docs: Sequence[Doc]) -> None:
+        if not docs:
+            return
+        db, base = self._fts, self.n
+        db.execute("BEGIN")
+        db.executemany("INSERT INTO t(rowid, a, b, c) VALUES (?, ?, ?, ?)",
+                       [(j, d[2], d[3], d[4]) for j, d in enumerate(docs)])
+        # Both vocabulary tables walk the index in term order: each distinct term with its
+        # occurrences (`row`), then every occurrence, term by term (`instance`), read as one
+        # integer each (document, column, position) to keep Python out of the inner loop.
+        vocab = self.vocab
+        counts = db.execute("SELECT term, cnt FROM vr").fetchall()
+        packed = np.array([row[0] for row in db.execute(
+            "SELECT (doc << 34) | ((CASE col WHEN 'a' THEN 0 WHEN 'b' THEN 1 ELSE 2 END) << 32) "
+            "| offset FROM v")], dtype=np.int64)
+        db.execute("INSERT INTO t(t) VALUES ('delete-all')")
+        db.execute("COMMIT")
+        ids = np.array([vocab.setdefault(term, len(vocab)) for term, _ in counts], dtype=np.int64)
+        toks = np.repeat(ids, [c for _, c in counts])
+        assert len(toks) == len(packed), "the vocabulary tables disagree"
+        dids = packed >> 34
+        cs = ((packed >> 32) & 3).astype(np.int8)
+        offs = packed & 0xFFFFFFFF
+        lens = np.bincount(dids, minlength=len(docs)).astype(np.float64)
+        # pairs of adjacent tokens of the same column (text and context; scope tokens are
+        # never searched as phrases)
+        order = np.lexsort((offs, cs, dids))
+        toks, dids, cs, offs = toks[order], dids[order], cs[order], offs[order]
+        adj = np.flatnonzero((dids[1:] == dids[:-1]) & (cs[1:] == cs[:-1]) & (cs[1:] < 2)
+                             & (offs[1:] == offs[:-1] + 1))
+        keys = np.concatenate([toks, pair_key(toks[adj], toks[adj + 1])])
+        all_docs = np.concatenate([dids, dids[adj]]) + base
+        all_cols = np.concatenate([cs, cs[adj]])
+        self.segments.append(Segment.of(keys, all_docs, all_cols))
+        self._grow(base + len(docs))
+        self.rids[base:base + len(docs)] = [d[0] for d in docs]
+        self.lens[base:base + len(docs)] = lens
+        self.alive[base:base + len(docs)] = True
+        rids = np.array([d[0] for d in docs], dtype=np.int64)
+        self._map(int(rids.max()))
+        self._kill_docs(self.doc_of[rids])  # a row indexed again: its old document dies
+        self.doc_of[rids] = np.arange(base, base + len(docs), dtype=np.int32)
+        self.ids.extend(d[1] for d in docs)
+        self.n = base + len(docs)
+        self.count += len(docs)
+        self.total += float(lens.sum())
+        self._scopes.clear()
+
+    def _grow(self, need: int) -> None:
+        if need <= len(self.rids):
+            return
+        cap = max(need, 2 * len(self.rids), 1024)
+        self.rids = np.resize(self.rids, cap)
+        self.lens = np.resize(self.lens, cap)
+        alive = np.zeros(cap, dtype=bool)
+        alive[:len(self.alive)] = self.alive
+        self.alive = alive
+
+    def _kill_docs(self, docs: np.ndarray) -> None:
+        docs = docs[docs >= 0]
+        docs = np.unique(docs[self.alive[docs]])
+        self.alive[docs] = False
+        self.count -= len(docs)
+        self.total -= float(self.lens[docs].sum())  # whole numbers: exact in any order
+
+    def remove(self, rids: Sequence[int]) -> None:
+        """The documents of these rows are gone (deleted, or about to be indexed again)."""
+        held = np.array([rid for rid in rids if rid < len(self.doc_of)], dtype=np.int64)
+        self._kill_docs(self.doc_of[held])
+        self.doc_of[held] = -1
+        self._scopes.clear()
+
+    def _map(self, top: int) -> None:
+        """Room in `doc_of` for rowids up to `top`."""
+        if top >= len(self.doc_of):
+            grown = np.full(max(top + 1, 2 * len(self.doc_of)), -1, dtype=np.int32)
+            grown[:len(self.doc_of)] = self.doc_of
+            self.doc_of = grown
+
+    def dead_share(self) -> float:
+        return 1.0 - self.count / self.n if self.n else 0.0
+
+    # -- searching -----------------------------------------------------------------------------
+
+    def _phrase_key(self, phrase: Sequence[str]) -> int | None:
+        """The term key of a phrase of one or two tokens; -1 if no document can hold it."""
+        ids = [self.vocab.get(t) for t in phrase]
+        if any(i is None for i in ids):
+            return -1
+        if len(ids) == 1:
+            return ids[0]
+        a, b = ids
+        assert a is not None and b is not None
+        return int(pair_key(a, b))
+
+    def _postings(self, key: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The live documents holding a term, with its counts per column."""
+        found = [p for s in self.segments if key >= 0 and (p := s.postings(key)) is not None]
+        if not found:
+            empty = np.zeros(0)
+            return empty.astype(np.int32), empty, empty
+        docs, body, ctx = (np.concatenate(x) for x in zip(*found, strict=True)) \
+            if len(found) > 1 else found[0]
+        live = self.alive[docs]
+        return docs[live], body[live], ctx[live]
+
+    def in_scope(self, owners: Sequence[str]) -> np.ndarray | None:
+        """Documents holding every one of the scope's tokens (None: all of them)."""
+        if not owners:
+            return None
+        key = tuple(owners)
+        hit = self._scopes.get(key)
+        if hit is not None and hit[0] == self.n:
+            return hit[1]
+        mask = np.zeros(self.n, dtype=bool)
+        first = True
+        for o in owners:
+            # as FTS5 reads the MATCH: the stemmer may change a scope token (`...dce` is `...dc`)
+            p = self.query_tokens.phrase(o)
+            t = self.vocab.get(p[0]) if len(p) == 1 else None
+            docs = self._postings(t)[0] if t is not None else np.zeros(0, dtype=np.int32)
+            m = np.zeros(self.n, dtype=bool)
+            m[docs] = True
+            mask = m if first else mask & m
+            first = False
+        if len(self._scopes) > 16:
+            self._scopes.clear()
+        self._scopes[key] = (self.n, mask)
+        return mask
+
+    def scores(self, terms: Sequence[str], owners: Sequence[str],
+               previous_weight: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every in-scope document any term matches, with its `-bm25()`; None when a term is
+        a phrase of three tokens or more (FTS5 answers those)."""
+        phrases = []
+        for term in terms:
+            p = self.query_tokens.phrase(term)
+            if len(p) > 2:
+                return None
+            if p:
+                phrases.append(p)
+        if not phrases or not self.count:
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
+        scope = self.in_scope(owners)
+        n_rows, avgdl = self.count, self.total / self.count
+        # one slot per document: a phrase's postings hold each document once, so a scatter
+        # adds each phrase's term to each score in query order, as FTS5 sums them
+        score = np.zeros(self.n)
+        hit = np.zeros(self.n, dtype=bool)
+        for p in phrases:
+            key = self._phrase_key(p)
+            docs, body, ctx = self._postings(key if key is not None else -1)
+            hits = len(docs)
+            value = math.log((n_rows - hits + 0.5) / (hits + 0.5))
+            idf = value if value > 0.0 else MIN_IDF
+            if scope is not None:
+                keep = scope[docs]
+                docs, body, ctx = docs[keep], body[keep], ctx[keep]
+            f = body.astype(np.float64) + ctx.astype(np.float64) * previous_weight
+            norm = K1 * (1 - B + B * self.lens[docs] / avgdl)
+            score[docs] += idf * ((f * (K1 + 1.0)) / (f + norm))
+            hit[docs] = True
+        docs = np.flatnonzero(hit)
+        return docs, score[docs]
+
+    def search(self, terms: Sequence[str], owners: Sequence[str], k: int, previous_weight: float,
+               visible: Callable[[list[str]], set[str]],
+               pool: int | None = None) -> list[tuple[str, float]] | None:
+        """The best `k` visible memories by BM25 (`visible` keeps the ids the query may see:
+        the SQL's other conditions), in growing pools."""
+        ranked = self.scores(terms, owners, previous_weight)
+        if ranked is None:
+            return None
+        docs, score = ranked
+        size = pool or k + k // 8 + 32
+        while True:
+            top = np.argpartition(-score, size - 1)[:size] if size < len(docs) \
+                else np.arange(len(docs))
+            top = top[np.argsort(-score[top], kind="stable")]
+            ids = [self.ids[d] for d in docs[top].tolist()]
+            seen = visible(ids)
+            hits = [(mid, s) for mid, s in zip(ids, score[top].tolist(), strict=True)
+                    if mid in seen]
+            if len(hits) >= k or size >= len(docs):
+                return hits[:k]
+            size *= 4

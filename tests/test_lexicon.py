@@ -1,0 +1,274 @@
+"""The SQLite store's in-memory lexical index (store/sqlite/lexicon.py) against FTS5 itself:
+the same memories with the same BM25 scores, for many queries, and still after deletes,
+updates, erasures and writes by another process."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engram.filters import parse_filters
+from engram.model import Kind, MemoryRecord, Scope, new_id
+from engram.pipeline.text import content_hash, terms
+from engram.store import Key, Lexical, Query
+from engram.store.sqlite import SQLiteStore
+from engram.store.sqlite import sql as sqlite_sql
+
+NOW = datetime(2025, 6, 1, 12, tzinfo=UTC)
+ROOT = Path(__file__).resolve().parent.parent
+# Some words in most rows (their IDF is FTS5's floor), names in few, possessives (the phrase
+# `carolin s`), numbers split by punctuation (`3 30`), diacritics folded.
+COMMON = ["we", "talked", "about", "today", "really", "went"]
+WORDS = """hiking ramen lisbon kyoto guitar painting adoption counseling pottery museum
+sunrise beach camping violin marathon café résumé co-op 3:30 o'clock festival""".split()
+NAMES = ["Caroline's", "Melanie", "Jon's", "Gina", "Deborah's", "Maria"]
+SCOPES = [Scope("u1"), Scope("u1", session_id="s2"), Scope("u2"), Scope("u1", agent_id="a"),
+          Scope("u0")]  # u0's scope token ends in "e", which the stemmer drops (`...dce`)
+
+
+def sentence(rng: random.Random) -> str:
+    words = rng.sample(COMMON, rng.randint(2, 5)) + rng.choices(WORDS, k=rng.randint(1, 6))
+    words.insert(rng.randrange(len(words) + 1), rng.choice(NAMES))
+    rng.shuffle(words)
+    return " ".join(words) + "."
+
+
+def record(text: str, scope: Scope, rng: random.Random, **fields: object) -> MemoryRecord:
+    at = NOW - timedelta(minutes=rng.randint(1, 10_000))
+    base: dict[str, object] = dict(
+        id=new_id(), scope=scope, kind=Kind.EPISODIC, text=text, metadata={"n": rng.randint(0, 3)},
+        importance=0.5, created_at=at, updated_at=at, valid_from=at, content_hash=content_hash(text))
+    base.update(fields)
+    return MemoryRecord(**base)  # type: ignore[arg-type]
+
+
+def fill(store: SQLiteStore, n: int, rng: random.Random) -> list[MemoryRecord]:
+    recs = []
+    prev = ""
+    with store.write() as tx:
+        for i in range(n):
+            r = record(sentence(rng), SCOPES[i % len(SCOPES)], rng)
+            v = np.asarray([rng.random() for _ in range(4)], dtype=np.float32)
+            tx.insert(r, [Key("text", v / np.linalg.norm(v))], Lexical(r.text, prev))
+            prev = r.text if i % 7 else ""
+            recs.append(r)
+    return recs
+
+
+def fts5(store: SQLiteStore, q: Query, words: list[str], k: int, w: float) -> list[tuple[str, float]]:
+    return [(row[0], float(row[1])) for row in store._read(*sqlite_sql.lexical(q, words, k, w))]
+
+
+def queries(rng: random.Random, n: int) -> list[list[str]]:
+    out = []
+    vocab = COMMON + WORDS + NAMES + ["absent", "o'neil's"]
+    for _ in range(n):
+        out.append(terms(" ".join(rng.sample(vocab, rng.randint(1, 4)))) or ["ramen"])
+    return out
+
+
+def same(a: list[tuple[str, float]], b: list[tuple[str, float]], k: int) -> None:
+    """Equal scores, position by position, and the same memories except where a tie at the
+    cut leaves FTS5's choice among equals open."""
+    assert len(a) == len(b)
+    assert [s for _, s in a] == pytest.approx([s for _, s in b], abs=1e-9, rel=0)
+    if not a:
+        return
+    cut = b[-1][1] if len(b) == k else -1.0
+    assert {m for m, s in a if s > cut + 1e-9} == {m for m, s in b if s > cut + 1e-9}
+    got, want = dict(a), dict(b)
+    for mid in set(got) & set(want):
+        assert got[mid] == pytest.approx(want[mid], abs=1e-9, rel=0)
+
+
+def check(store: SQLiteStore, rng: random.Random, n: int = 60) -> int:
+    """Compare both paths over `n` queries in every scope; the number of hits compared."""
+    compared = 0
+    for words in queries(rng, n):
+        for scope in [*SCOPES, Scope()]:
+            for k, w in ((5, 0.5), (40, 0.3), (10_000, 0.5)):
+                q = Query(scope=scope, now=NOW)
+                ours = store.lexical(q, words, k, w)
+                theirs = fts5(store, q, words, k, w)
+                same(ours, theirs, k)
+                compared += len(ours)
+    return compared
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SQLiteStore:
+    s = SQLiteStore(tmp_path / "lex.db", lexicon_threshold=0)
+    yield s
+    s.close()
+
+
+def test_scores_equal_fts5_bm25(store: SQLiteStore) -> None:
+    rng = random.Random(1)
+    fill(store, 600, rng)
+    assert check(store, rng) > 10_000
+    lex = store._lex
+    assert lex is not None and lex.count == 600  # the in-memory path answered
+    # FTS5's own N and token total (its averages record) are what the index counts
+    (block,), = store._read("SELECT block FROM memory_fts_data WHERE id = 1")
+    assert sqlite_sql.fts_row_count(block) == lex.count
+
+
+def test_idf_floor_for_terms_in_most_rows(store: SQLiteStore) -> None:
+    rng = random.Random(2)
+    fill(store, 200, rng)
+    with store.write() as tx:  # "went" in nearly every row: FTS5's IDF is then 1e-6
+        for i in range(300):
+            r = record(f"we went {i}", SCOPES[0], rng)
+            tx.insert(r, [Key("text", np.ones(4, dtype=np.float32) / 2)], Lexical(r.text))
+    q = Query(scope=SCOPES[0], now=NOW)
+    ours, theirs = store.lexical(q, ["went"], 50, 0.5), fts5(store, q, ["went"], 50, 0.5)
+    same(ours, theirs, 50)
+    assert 0 < ours[0][1] < 1e-5
+
+
+def test_equal_after_deletes_updates_and_erasures(store: SQLiteStore) -> None:
+    rng = random.Random(3)
+    recs = fill(store, 500, rng)
+    check(store, rng, 10)  # builds the index
+    with store.write() as tx:
+        tx.soft_delete([r.id for r in recs[:60]], NOW)
+        tx.erase([r.id for r in recs[60:90]])
+        for r in recs[90:150]:
+            new = sentence(rng)
+            tx.update(replace(r, text=new), None, Lexical(new, "ramen ramen"))
+    assert store._lex is None  # an erasure drops it (its vocabulary may hold erased words)
+    check(store, rng, 5)
+    with store.write() as tx:  # followed through the log
+        tx.soft_delete([r.id for r in recs[150:170]], NOW)
+        for r in recs[170:200]:
+            new = sentence(rng)
+            tx.update(replace(r, text=new), None, Lexical(new, "ramen ramen"))
+    fill(store, 100, rng)
+    check(store, rng, 40)
+    lex = store._lex
+    assert lex is not None
+    (block,), = store._read("SELECT block FROM memory_fts_data WHERE id = 1")
+    assert lex.count == sqlite_sql.fts_row_count(block) == 500 - 110 + 100
+
+
+def test_other_writers_are_followed(store: SQLiteStore, tmp_path: Path) -> None:
+    rng = random.Random(4)
+    recs = fill(store, 300, rng)
+    check(store, rng, 5)
+    other = SQLiteStore(tmp_path / "lex.db", lexicon_threshold=0)
+    try:
+        fill(other, 200, rng)
+        with other.write() as tx:
+            tx.soft_delete([r.id for r in recs[:100]], NOW)
+    finally:
+        other.close()
+    # another process too: it indexes rows the way any writer does
+    script = textwrap.dedent(f"""
+        import random, sys
+        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        from test_lexicon import fill
+        from engram.store.sqlite import SQLiteStore
+        s = SQLiteStore({str(tmp_path / 'lex.db')!r})
+        recs = fill(s, 150, random.Random(5))
+        with s.write() as tx:
+            tx.erase([r.id for r in recs[:20]])
+        s.close()
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT)
+    check(store, rng, 40)
+    lex = store._lex
+    assert lex is not None and lex.count == 300 - 100 + 200 + 150 - 20
+
+
+def test_many_small_writes_merge_their_segments(store: SQLiteStore) -> None:
+    rng = random.Random(12)
+    fill(store, 400, rng)
+    for i in range(30):  # a search after every small write: a segment each, merged as they pile up
+        recs = fill(store, 3 + i, rng)
+        if i % 4 == 0:
+            with store.write() as tx:
+                tx.soft_delete([recs[0].id], NOW)
+        check(store, rng, 1)
+        lex = store._lex
+        assert lex is not None and len(lex.segments) <= 9
+    check(store, rng, 30)
+
+
+def test_visibility_kinds_and_filters_as_in_sql(store: SQLiteStore) -> None:
+    rng = random.Random(6)
+    recs = fill(store, 400, rng)
+    with store.write() as tx:
+        for r in recs[:80]:  # expired, or not valid yet: invisible to a search now
+            tx.update(replace(r, expires_at=NOW - timedelta(days=1)))
+    for words in queries(rng, 30):
+        for q in (Query(scope=SCOPES[0], now=NOW, kinds=(Kind.EPISODIC,)),
+                  Query(scope=SCOPES[0], now=NOW, conditions=parse_filters({"n": {"gte": 2}})),
+                  Query(scope=Scope("u1"), now=NOW, as_of=NOW - timedelta(days=3))):
+            same(store.lexical(q, words, 20, 0.5), fts5(store, q, words, 20, 0.5), 20)
+
+
+def test_falls_back_to_fts5_inside_a_write_and_for_long_phrases(store: SQLiteStore) -> None:
+    rng = random.Random(7)
+    fill(store, 100, rng)
+    q = Query(scope=SCOPES[0], now=NOW)
+    store.lexical(q, ["ramen"], 10, 0.5)
+    assert store._lex is not None
+    r = record("zebra crossing", SCOPES[0], rng)
+    with store.write() as tx:
+        tx.insert(r, [Key("text", np.ones(4, dtype=np.float32) / 2)], Lexical(r.text))
+        # the write's own row, uncommitted: FTS5 sees it
+        assert [m for m, _ in store.lexical(q, ["zebra"], 10, 0.5)] == [r.id]
+    assert store._lex.scores(["a-b-c"], [], 0.5) is None  # three tokens: FTS5 answers
+    same(store.lexical(q, ["a-b-c", "zebra"], 10, 0.5), fts5(store, q, ["a-b-c", "zebra"], 10, 0.5), 10)
+
+
+def test_small_databases_stay_on_fts5(tmp_path: Path) -> None:
+    s = SQLiteStore(tmp_path / "small.db", lexicon_threshold=1000)
+    try:
+        fill(s, 200, random.Random(8))
+        assert s.lexical(Query(scope=SCOPES[0], now=NOW), ["ramen"], 10, 0.5)
+        assert s._lex is None
+        fill(s, 900, random.Random(9))
+        s.lexical(Query(scope=SCOPES[0], now=NOW), ["ramen"], 10, 0.5)
+        assert s._lex is not None and s._lex.count == 1100
+    finally:
+        s.close()
+
+
+def test_insert_many_writes_what_insert_writes(tmp_path: Path) -> None:
+    rng = random.Random(10)
+    rows = []
+    for i in range(50):
+        r = record(sentence(rng), SCOPES[i % len(SCOPES)], rng)
+        v = np.asarray([rng.random() for _ in range(4)], dtype=np.float32)
+        rows.append((r, [Key("text", v), Key("window", v[::-1].copy())], Lexical(r.text, f"prev {i}")))
+    one, many = SQLiteStore(tmp_path / "one.db"), SQLiteStore(tmp_path / "many.db")
+    try:
+        for s in (one, many):
+            fill(s, 5, random.Random(11))  # rows before: the rids continue after them
+        with one.write() as tx:
+            for row in rows:
+                tx.insert(*row)
+        with many.write() as tx:
+            tx.insert_many(rows)
+        tables = ["SELECT rid, * FROM memories WHERE rid > 5 ORDER BY rid",
+                  "SELECT rowid, body, context, owner FROM memory_fts WHERE rowid > 5 ORDER BY rowid",
+                  "SELECT seq, memory_id, kind, vector FROM memory_keys WHERE seq > 5 ORDER BY seq",
+                  "SELECT * FROM lex_log ORDER BY id", "SELECT * FROM meta ORDER BY name"]
+        for q in tables:
+            got, want = many._read(q), one._read(q)
+            assert got == want and got, q
+        q = Query(scope=SCOPES[0], now=NOW)
+        got, want = (s.lexical(q, ["ramen", "lisbon"], 20, 0.5) for s in (many, one))
+        assert [s for _, s in got] == [s for _, s in want] and got
+    finally:
+        one.close()
+        many.close()
