@@ -45,3 +45,21 @@ def test_adapters_take_an_engram_memory(mem: Memory, tmp_path: Path, embedder: A
     asyncio.run(amem.close())
     with pytest.raises(ValueError, match="engram Memory or AsyncMemory"):
         sync_memory("engram.db")  # type: ignore[arg-type]
+
+
+def test_the_embedded_default_works_without_the_optional_extras(tmp_path: Path) -> None:
+    """`pip install engram` has no psycopg, FastAPI or MCP SDK: adding and searching on SQLite
+    (with the in-memory lexical index forced on) must not import them."""
+    code = f"""
+import sys
+for name in ("psycopg", "fastapi", "mcp", "usearch", "sqlcipher3"):
+    sys.modules[name] = None  # as if it were not installed
+from engram import Config, Memory
+config = Config.from_env(path={str(tmp_path / "m.db")!r}, lexicon_threshold=0)
+with Memory(config=config) as mem:
+    mem.add(["Ana moved to Lisbon in May.", "Ben plays the cello."], user_id="u", infer=False)
+    print(mem.search("where does Ana live?", user_id="u")[0].memory.text)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("Ana moved to Lisbon in May.")

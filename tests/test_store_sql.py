@@ -15,7 +15,7 @@ from engram.filters import parse_filters
 from engram.model import Job, JobStatus, Kind, MemoryRecord, Scope, Session
 from engram.store import Query, Seen, Select
 from engram.store import records as r
-from engram.store.postgres import bm25
+from engram.store import bm25
 from engram.store.postgres import sql as pg
 from engram.store.sqlite import schema as lite_schema
 from engram.store.sqlite import sql as lite
@@ -118,7 +118,7 @@ def test_a_read_with_time_bounds_needs_now() -> None:
         r.select_memories(lite.DIALECT, Select(seen=Seen.VISIBLE), "")
 
 
-# -- the PostgreSQL lexical index (store/postgres/bm25.py) ------------------------------------
+# -- the PostgreSQL lexical index (store/bm25.py) ------------------------------------
 
 tokens = st.sampled_from(["marta", "s", "dog", "o'x", "a\\b", "ü"])
 phrase_lists = st.lists(st.lists(tokens, min_size=1, max_size=3).map(tuple), min_size=1, max_size=6)

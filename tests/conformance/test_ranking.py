@@ -1,7 +1,7 @@
 """Both stores rank alike, not only find the same rows.
 
 The lexical scores are FTS5's BM25 on every store (the embedded store computes them, the
-PostgreSQL store computes the same from the same tokens and statistics: store/postgres/bm25.py),
+PostgreSQL store computes the same from the same tokens and statistics: store/bm25.py),
 so a fixed corpus has fixed scores, written here; and `Memory.search` over a small conversation
 returns the same top 5 on every store, ties broken the same way (by id: creation order).
 """

@@ -15,8 +15,8 @@ from psycopg import errors as pgerr
 
 from ...errors import StoreError
 from ...model import Scope
-from .. import graph
-from . import bm25, sql
+from .. import bm25, graph
+from . import sql
 from .pool import Connection
 
 log = logging.getLogger("engram.store")

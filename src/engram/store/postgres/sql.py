@@ -14,10 +14,10 @@ from psycopg.types.json import Json, Jsonb
 
 from ...filters import Condition
 from ...model import MemoryRecord, Scope
+from .. import bm25
 from .. import records as r
 from ..base import Query
-from . import bm25
-from .bm25 import Document, Phrase
+from ..bm25 import Document, Phrase
 
 # The SQL type family of each record field a filter may name (filters.RECORD_FIELDS).
 _FIELD_TYPES = {

@@ -22,11 +22,12 @@ from psycopg import errors as pgerr
 
 from ...errors import InvalidInput, StoreBusy, StoreUnavailable
 from ...model import Job, MemoryRecord, Scope
+from .. import bm25
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
 from ..slab import Slab
 from ..sqlstore import Run, SQLStore, SQLTx
-from . import bm25, schema, sql
+from . import schema, sql
 from .pool import Connection, Pool, translate
 
 if TYPE_CHECKING:

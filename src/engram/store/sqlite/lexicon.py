@@ -4,7 +4,7 @@ scanning FTS5's matches per query.
 `memory_fts` ranks a search with BM25 over every row a term matches in the scope; at 100k rows
 in one scope that is ~60 ms of CPU per query, and it grows with the scope. This index holds the
 same postings in numpy arrays and computes the very score `bm25(memory_fts, 1.0, w, 0.0)`
-gives (store/postgres/bm25.py states the formula and its constants, which both stores share):
+gives (store/bm25.py states the formula and its constants, which both stores share):
 
 * documents are the rows of `memory_fts` (every scope: FTS5's N, avgdl and a phrase's IDF count
   the whole table), tokenised by FTS5 itself (an in-memory FTS5 table with the same tokenizer,
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..postgres.bm25 import K1, MIN_IDF, TOKENIZE, B, Tokenizer
+from ..bm25 import K1, MIN_IDF, TOKENIZE, B, Tokenizer
 
 Doc = tuple[int, str, str, str, str]  # (rid, memory id, body, context, owner) of a memory_fts row
 MAX_SEGMENTS = 8

@@ -1,4 +1,6 @@
-"""The PostgreSQL store's lexical index, made to rank as the embedded store's FTS5 `bm25()` does.
+"""FTS5's `bm25()` outside FTS5: its tokenizer, constants and formula, for the PostgreSQL
+store's lexical index and the SQLite store's in-memory one (sqlite/lexicon.py). No driver is
+imported here: the embedded store uses it without the `postgres` extra.
 
 The SQLite store scores a lexical search with FTS5's BM25 over two weighted columns (the text
 and the previous turn) of a table tokenised by `porter unicode61 remove_diacritics 2`. To give
@@ -37,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...model import Scope
+from ..model import Scope
 
 # The SQLite store's tokenizer (store/sqlite/schema.py, `memory_fts`); a test checks they agree.
 TOKENIZE = "porter unicode61 remove_diacritics 2"
