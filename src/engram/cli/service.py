@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -145,6 +147,11 @@ def serve(ctx: typer.Context,
         typer.echo(f"engram serving on http://{shown}:{port}  (API docs: http://{shown}:{port}/docs, "
                    f"memory console: http://{shown}:{port}/ui)"
                    + (f", {workers} workers" if workers > 1 else ""), err=True)
+        if workers > 1 and cfg.embed_threads is None:
+            # Each worker runs its own embedder: with the default threads (one per core) each,
+            # N workers oversubscribe the cores and the slowest requests wait for the others
+            # (README, "Service under load": lower p95 / p99 with the cores shared out).
+            cfg = replace(cfg, embed_threads=max(1, (os.cpu_count() or 1) // workers))
         factory = AppFactory(cfg, not no_auth, limits, local_only=no_auth and not remote)
         if workers == 1:
             application = factory()
