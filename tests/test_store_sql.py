@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 
 from engram.filters import parse_filters
 from engram.model import Job, JobStatus, Kind, MemoryRecord, Scope, Session
-from engram.store import Query, Seen, Select
+from engram.store import Query, Seen, Select, bm25
 from engram.store import records as r
-from engram.store import bm25
 from engram.store.postgres import sql as pg
 from engram.store.sqlite import schema as lite_schema
 from engram.store.sqlite import sql as lite
