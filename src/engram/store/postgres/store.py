@@ -334,10 +334,11 @@ class PostgresStore(SQLStore):
         if phrases:
             statements.append(sql.lexical(self.tenant, query, phrases, k, previous_weight))
         rows = self._batch(statements)
+        versions = self._seen[self.tenant] = _versions(rows[0])  # what `candidates` trusts next
         found: dict[str, list[tuple[str, float]]] = {}
         if vector is not None and keys:
             v = np.asarray(vector, dtype=np.float32).ravel()
-            slabs = self._cache(query.scope, keys, int(v.shape[0]), _versions(rows[0]))
+            slabs = self._cache(query.scope, keys, int(v.shape[0]), versions)
             for key in keys:
                 slab = slabs.get(key)
                 if slab is None:
