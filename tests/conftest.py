@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from engram import Memory  # noqa: E402
+from engram import Config, Memory  # noqa: E402
 from engram.providers.embedders import MiniLM  # noqa: E402
 from engram.providers.llms import LLM, ScriptedLLM  # noqa: E402
 from engram.store import SQLiteStore, Store  # noqa: E402
@@ -126,3 +126,12 @@ def _rows(path: Path) -> dict[str, Any]:
 def snapshot() -> Callable[[Path], dict[str, Any]]:
     """Every row engram keeps in a SQLite file, for "the database is unchanged" checks."""
     return _rows
+
+
+@pytest.fixture(params=sorted(STORES))
+def gmem(request: pytest.FixtureRequest, tmp_path: Path, embedder: MiniLM) -> Iterator[Memory]:
+    """A Memory without an LLM on each store (the graph's tests)."""
+    m = Memory(store=STORES[request.param](tmp_path), embedder=embedder, llm=None,
+               config=Config(path=tmp_path / "unused.db"))
+    yield m
+    m.close()

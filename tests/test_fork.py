@@ -22,6 +22,17 @@ def _child(mem: Memory, n: int) -> None:
     assert len(mem.search(f"child {n} remembers", user_id="u", limit=20)) >= 10
 
 
+def _finish(children: list[multiprocessing.process.BaseProcess]) -> None:
+    """Wait for the forked children; a child still running after 2 minutes hung."""
+    for c in children:
+        c.join(timeout=120)
+    stuck = [c for c in children if c.is_alive()]
+    for c in stuck:
+        c.kill()
+    assert not stuck, "a forked child hung"
+    assert [c.exitcode for c in children] == [0, 0]
+
+
 EMBEDDERS: dict[str, type[Embedder]] = {"onnx": MiniLM, "torch": SentenceTransformerMiniLM}
 
 
@@ -36,13 +47,7 @@ def test_forked_children_add_and_search_after_the_parent_used_the_memory(
     children = [ctx.Process(target=_child, args=(mem, n)) for n in range(2)]
     for c in children:
         c.start()
-    for c in children:
-        c.join(timeout=120)
-    stuck = [c for c in children if c.is_alive()]
-    for c in stuck:
-        c.kill()
-    assert not stuck, "a forked child hung"
-    assert [c.exitcode for c in children] == [0, 0]
+    _finish(children)
     # the parent still works, and sees what both children wrote
     assert mem.embedder.embed_batch(["still here"]).shape == (1, 384)
     assert len(mem.list(user_id="u", limit=100).items) == 21
@@ -68,13 +73,7 @@ def test_forked_children_share_a_postgres_database_with_the_parent(
         for _ in range(10):  # the parent goes on using its connections meanwhile
             assert mem.search("the parent was here", user_id="u")[0].memory.text == \
                 "the parent was here first"
-        for c in children:
-            c.join(timeout=120)
-        stuck = [c for c in children if c.is_alive()]
-        for c in stuck:
-            c.kill()
-        assert not stuck, "a forked child hung"
-        assert [c.exitcode for c in children] == [0, 0]
+        _finish(children)
         assert len(mem.list(user_id="u", limit=100).items) == 21
         assert mem.search("child 1 remembers fact number 7", user_id="u")[0].memory.text == \
             "child 1 remembers fact number 7"

@@ -5,7 +5,6 @@ erasure with the canary grep on both stores. The pure decisions are tested witho
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -14,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from conftest import STORES
 from engram import Config, EventType, InvalidInput, Memory, NotFound, Relation, Scope
 from engram.model import new_id
 from engram.pipeline import graph as g
@@ -26,14 +24,6 @@ CANARY = "Zqxcanary"
 
 def year(n: int) -> datetime:
     return T.replace(year=n)
-
-
-@pytest.fixture(params=sorted(STORES))
-def gmem(request: pytest.FixtureRequest, tmp_path: Path, embedder: Any) -> Iterator[Memory]:
-    m = Memory(store=STORES[request.param](tmp_path), embedder=embedder, llm=None,
-               config=Config(path=tmp_path / "unused.db"))
-    yield m
-    m.close()
 
 
 # -- relations on a timeline -----------------------------------------------------------------

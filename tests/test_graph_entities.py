@@ -35,14 +35,6 @@ def year(n: int) -> datetime:
     return T.replace(year=n)
 
 
-@pytest.fixture(params=sorted(STORES))
-def gmem(request: pytest.FixtureRequest, tmp_path: Path, embedder: Any) -> Iterator[Memory]:
-    m = Memory(store=STORES[request.param](tmp_path), embedder=embedder, llm=None,
-               config=Config(path=tmp_path / "unused.db"))
-    yield m
-    m.close()
-
-
 # -- delete --------------------------------------------------------------------------------------
 
 def test_delete_entity_takes_its_names_relations_and_mentions(gmem: Memory) -> None:
