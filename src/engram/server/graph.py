@@ -4,14 +4,13 @@ as every route does (routes.py); the wire shapes are the `to_dict()` of the mode
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
 from .routes import Context, MemoryId, ScopeQ, _errors
-from .schemas import MAX_ID, MAX_PAGE, Id, ScopeOut, Time, _In
+from .schemas import MAX_ID, MAX_PAGE, Flag, Id, Int, Number, QueryFlag, ScopeOut, Time, When, _In
 
 router = APIRouter(prefix="/v1", tags=["graph"])
 Name = Annotated[str, Query(min_length=1, max_length=256)]
@@ -80,15 +79,15 @@ class SubgraphOut(BaseModel):
 class RelateIn(_In):
     subject: Annotated[str, Field(min_length=1, max_length=256)]
     predicate: Annotated[str, Field(min_length=1, max_length=128)]
-    object: Annotated[str, Field(min_length=1, max_length=1024)] | int | float
-    valid_from: datetime | None = None
-    valid_to: datetime | None = None
+    object: Annotated[str, Field(min_length=1, max_length=1024)] | Int | Number
+    valid_from: When | None = None
+    valid_to: When | None = None
     user_id: Id | None = None
     agent_id: Id | None = None
     metadata: dict[str, Any] | None = None
-    single: bool | None = Field(None, description="one current value per subject; default: "
+    single: Flag | None = Field(None, description="one current value per subject; default: "
                                 "declared / configured (docs/graph.md)")
-    literal: bool = Field(False, description="the object is a value, not an entity")
+    literal: Flag = Field(False, description="the object is a value, not an entity")
     subject_type: Annotated[str, Field(max_length=64)] | None = None
     object_type: Annotated[str, Field(max_length=64)] | None = None
 
@@ -96,10 +95,10 @@ class RelateIn(_In):
 class UnrelateIn(_In):
     subject: Annotated[str, Field(min_length=1, max_length=256)]
     predicate: Annotated[str, Field(min_length=1, max_length=128)]
-    object: Annotated[str, Field(min_length=1, max_length=1024)] | int | float | None = None
-    at: datetime | None = None
-    retract: bool = False
-    literal: bool = False
+    object: Annotated[str, Field(min_length=1, max_length=1024)] | Int | Number | None = None
+    at: When | None = None
+    retract: Flag = False
+    literal: Flag = False
     user_id: Id | None = None
     agent_id: Id | None = None
 
@@ -133,7 +132,7 @@ def delete_entity(id: MemoryId, ctx: Context, user_id: ScopeQ = None,
 
 @router.get("/relations", response_model=RelationsOut)
 def list_relations(ctx: Context, subject: OptName = None, predicate: OptName = None,
-                   object: OptName = None, as_of: datetime | None = None, history: bool = False,
+                   object: OptName = None, as_of: When | None = None, history: QueryFlag = False,
                    user_id: ScopeQ = None, agent_id: ScopeQ = None,
                    limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Any:
     """The s/p/o query: what holds now, what held at `as_of`, or every edge with `history`."""
@@ -162,7 +161,7 @@ def unrelate(body: UnrelateIn, ctx: Context) -> Any:
 
 @router.get("/graph/neighbours", response_model=SubgraphOut, responses=_errors(404))
 def neighbours(ctx: Context, name: Name, depth: Annotated[int, Query(ge=1, le=4)] = 1,
-               as_of: datetime | None = None, user_id: ScopeQ = None,
+               as_of: When | None = None, user_id: ScopeQ = None,
                agent_id: ScopeQ = None) -> Any:
     """The entity and those within `depth` hops, with the relations between them."""
     return ctx.mem.neighbours(name, depth=depth, as_of=as_of, user_id=user_id,
@@ -171,7 +170,7 @@ def neighbours(ctx: Context, name: Name, depth: Annotated[int, Query(ge=1, le=4)
 
 @router.get("/graph/path", response_model=SubgraphOut, responses=_errors(404))
 def path(ctx: Context, a: Name, b: Name, max_depth: Annotated[int, Query(ge=1, le=6)] = 4,
-         as_of: datetime | None = None, user_id: ScopeQ = None, agent_id: ScopeQ = None) -> Any:
+         as_of: When | None = None, user_id: ScopeQ = None, agent_id: ScopeQ = None) -> Any:
     """A shortest chain of relations between two entities (empty if none)."""
     return ctx.mem.path(a, b, max_depth=max_depth, as_of=as_of, user_id=user_id,
                         agent_id=agent_id).to_dict()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, Strict, WithJsonSchema
 
 from ..model import EventType, JobStatus, Kind
 
@@ -29,7 +29,30 @@ Id = Annotated[str, Field(min_length=1, max_length=MAX_ID)]
 # never pydantic's "Z", so that top-level times and the snapshots in events read the same.
 Time = Annotated[datetime, PlainSerializer(lambda t: t.isoformat(), return_type=str, when_used="json"),
                  WithJsonSchema({"type": "string", "format": "date-time"}, mode="serialization")]
-Limit = Annotated[int, Field(ge=1, le=MAX_PAGE)]
+
+
+def _iso_text(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value
+    if isinstance(value, str):
+        return datetime.fromisoformat(value)  # ValueError -> 422
+    raise ValueError("a time is an ISO-8601 string, such as 2024-05-01T10:00:00+00:00")
+
+
+def _true_or_false(value: Any) -> Any:
+    if value in ("true", "false"):  # a query string's boolean
+        return value == "true"
+    return value
+
+
+# Request fields take JSON's own types, as the OpenAPI schema says: pydantic's lax mode would
+# read `true` as a limit of 1, "5" as 5, "1" as true, or a number as a Unix time.
+Int = Annotated[int, Strict()]
+Flag = Annotated[bool, Strict()]
+QueryFlag = Annotated[bool, Strict(), BeforeValidator(_true_or_false)]  # ?history=true
+Number = Annotated[float, Strict()]   # an integer is a number too
+When = Annotated[datetime, BeforeValidator(_iso_text)]
+Limit = Annotated[Int, Field(ge=1, le=MAX_PAGE)]
 
 
 class _In(BaseModel):
@@ -49,7 +72,7 @@ class MessageIn(_In):
     role: Annotated[str, Field(min_length=1, max_length=64)] = "user"
     content: str
     name: Annotated[str, Field(min_length=1, max_length=MAX_ID)] | None = None
-    observed_at: datetime | None = None
+    observed_at: When | None = None
     metadata: dict[str, Any] | None = None
 
     def as_message(self) -> dict[str, Any]:
@@ -68,12 +91,12 @@ def as_messages(messages: Messages) -> str | list[Any]:
 class AddIn(ScopeIn):
     messages: Messages = Field(description="A string, a message, or a list of them.")
     metadata: dict[str, Any] | None = None
-    observed_at: datetime | None = None
-    infer: bool = True
+    observed_at: When | None = None
+    infer: Flag = True
     kind: Kind | None = None
-    importance: Annotated[float, Field(ge=0, le=1)] | None = None
-    expires_at: datetime | None = None
-    background: bool = Field(False, description="Queue the add as a job and answer 202 at once.")
+    importance: Annotated[Number, Field(ge=0, le=1)] | None = None
+    expires_at: When | None = None
+    background: Flag = Field(False, description="Queue the add as a job and answer 202 at once.")
 
 
 class SearchIn(ScopeIn):
@@ -81,7 +104,7 @@ class SearchIn(ScopeIn):
     filters: dict[str, Any] | None = None
     limit: Limit = 10
     kinds: Annotated[list[Kind], Field(max_length=3)] | None = None
-    as_of: datetime | None = None
+    as_of: When | None = None
 
 
 class UpdateIn(_In):
@@ -89,8 +112,8 @@ class UpdateIn(_In):
 
     text: str | None = None
     metadata: dict[str, Any] | None = None
-    importance: Annotated[float, Field(ge=0, le=1)] | None = None
-    expires_at: datetime | None = None
+    importance: Annotated[Number, Field(ge=0, le=1)] | None = None
+    expires_at: When | None = None
 
 
 class EraseIn(ScopeIn):
@@ -127,7 +150,7 @@ class SessionMessagesIn(_In):
 
 class ContextIn(ScopeIn):
     query: str = Field(description="The new user message the context is assembled for.")
-    budget_tokens: Annotated[int, Field(
+    budget_tokens: Annotated[Int, Field(
         ge=MIN_BUDGET, le=MAX_BUDGET,
         description="At least 1 (the engine's minimum); a budget smaller than the query and the "
                     "framing answers 422 saying how many tokens they take.")] = 2000
