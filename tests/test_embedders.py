@@ -147,6 +147,33 @@ def test_a_repeated_query_is_embedded_once(embedder: MiniLM,
     assert embedder.embed_batch(["what does Caroline do on weekends? (cache test)"])[0, 0] != 42.0
 
 
+def test_texts_embedded_before_are_not_embedded_again(embedder: MiniLM, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An add of one message reads the two turns before it for its `window` key: they come
+    from the cache, so the add runs the model over its own text only."""
+    calls: list[list[str]] = []
+    encode = embedder._encode
+
+    def counting(texts: list[str]) -> np.ndarray:
+        calls.append(texts)
+        return encode(texts)
+
+    mixed = embedder.embed_batch(["cache: one", "cache: two"])
+    monkeypatch.setattr(embedder, "_encode", counting)
+    again = embedder.embed_batch(["cache: two", "cache: three", "cache: one", "cache: three"])
+    assert calls == [["cache: three"]]  # once, though asked twice
+    np.testing.assert_array_equal(again[[2, 0]], mixed)
+    np.testing.assert_array_equal(again[1], again[3])
+
+    calls.clear()
+    with Memory(path=tmp_path / "m.db", embedder=embedder) as mem:
+        mem.add([{"role": "user", "content": f"turn {i} about the cache"} for i in range(3)],
+                user_id="u", infer=False)
+        calls.clear()
+        mem.add("one more turn about the cache", user_id="u", infer=False)
+    assert calls == [["one more turn about the cache"]]
+
+
 def _build(cache_dir: str) -> str:
     return str(onnx_graph.ensure_graph(Path(cache_dir)))
 

@@ -61,6 +61,7 @@ class Config:
     busy_timeout_s: float = 30.0            # how long a writer waits for another's lock
     ann_threshold: int = 20_000             # a scope of up to this many keys is searched in process, exactly
     lexicon_threshold: int = 20_000         # SQLite: lexical search in memory above this many FTS rows
+    cache_rows: int = 2_000_000             # keys the dense cache holds over all searched scopes
     log_level: str | None = None            # None leaves `engram` logging unconfigured
     llm: str = "openai"                     # name of a registered LLM provider (providers.llms)
     llm_base_url: str | None = None         # None: no LLM; every feature takes its no-LLM path
@@ -238,6 +239,7 @@ class Config:
             ("busy_timeout_s", "ENGRAM_BUSY_TIMEOUT", float),
             ("ann_threshold", "ENGRAM_ANN_THRESHOLD", int),
             ("lexicon_threshold", "ENGRAM_LEXICON_THRESHOLD", int),
+            ("cache_rows", "ENGRAM_CACHE_ROWS", int),
             ("llm_timeout_s", "ENGRAM_LLM_TIMEOUT", float),
             ("llm_retries", "ENGRAM_LLM_RETRIES", int),
             ("llm_output_retries", "ENGRAM_LLM_OUTPUT_RETRIES", int),
@@ -273,6 +275,8 @@ class Config:
             raise InvalidInput("ann_threshold must be >= 0")
         if self.lexicon_threshold < 0:
             raise InvalidInput("lexicon_threshold must be >= 0")
+        if self.cache_rows < 0:
+            raise InvalidInput("cache_rows must be >= 0")
         if not 0.0 < self.dedupe_threshold <= 1.0:
             raise InvalidInput("dedupe_threshold must be in (0, 1]")
         if not 0.0 <= self.dedupe_min_overlap <= 1.0:

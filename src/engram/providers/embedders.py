@@ -66,7 +66,9 @@ class Batched:
     - group commit: while one forward pass runs, concurrent callers queue up, and the first of
       them to get the model embeds everything queued in one batch (the service: one pass for
       many requests; alone, a call goes straight through);
-    - a small LRU of single-text calls (queries: the same question is embedded once);
+    - an LRU of the texts it embedded: the same question is embedded once, and so are the
+      turns before a new one, which its `window` key reads again (an add of one message
+      would otherwise embed three texts);
     - fork safety: a forked child drops the parent's runtime (its thread pool does not exist in
       the child, and a lock held by a parent thread at fork time would never be released) and
       loads its own on first use.
@@ -74,7 +76,7 @@ class Batched:
 
     name = "batched"
     dim = 0
-    cache_size = 1024
+    cache_size = 4096  # vectors of 384 floats: ~6 MB
 
     def __init__(self) -> None:
         self._reset()
@@ -96,13 +98,25 @@ class Batched:
     def embed_batch(self, texts: Sequence[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        if len(texts) == 1:
+        known: dict[str, np.ndarray] = {}
+        with self._queue_lock:
+            for text in texts:
+                if (hit := self._cache.get(text)) is not None:
+                    self._cache.move_to_end(text)
+                    known[text] = hit
+        missing = list(dict.fromkeys(t for t in texts if t not in known))
+        if missing:
+            vectors = self._embed(missing)
             with self._queue_lock:
-                hit = self._cache.get(texts[0])
-                if hit is not None:
-                    self._cache.move_to_end(texts[0])
-                    return hit[None, :].copy()
-        mine = _Request(list(texts))
+                for text, vector in zip(missing, vectors, strict=True):
+                    self._cache[text] = known[text] = vector.copy()  # not a view of the batch
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return np.stack([known[t] for t in texts])
+
+    def _embed(self, texts: list[str]) -> np.ndarray:
+        """The model's vectors of `texts`, in one forward pass shared with whatever is queued."""
+        mine = _Request(texts)
         with self._queue_lock:
             self._queue.append(mine)
         with self._lock:  # one forward pass at a time: the runtime already uses the cores
@@ -113,11 +127,6 @@ class Batched:
         if mine.error is not None:
             raise mine.error
         assert mine.result is not None
-        if len(texts) == 1:
-            with self._queue_lock:
-                self._cache[texts[0]] = mine.result[0].copy()
-                if len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
         return mine.result
 
     def _run(self, batch: list[_Request]) -> None:

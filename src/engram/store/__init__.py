@@ -46,7 +46,7 @@ def open_store(config: Config, tenant: str | None = None) -> Store:
         return PostgresStore.from_config(config, tenant=tenant or "")
     return SQLiteStore(tenant_path(config.path, tenant), busy_timeout_s=config.busy_timeout_s,
                        key=config.encryption_key, ann_threshold=config.ann_threshold,
-                       lexicon_threshold=config.lexicon_threshold)
+                       lexicon_threshold=config.lexicon_threshold, cache_rows=config.cache_rows)
 
 
 def tenant_path(path: Path, tenant: str | None) -> Path:

@@ -5,6 +5,7 @@ Each store follows its database into it (sqlite/store.py, postgres/store.py)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -219,3 +220,16 @@ class Slab:
             if len(best) >= k or pool >= len(rows):
                 return list(best.items())[:k]
             pool = min(len(rows), pool * 4)
+
+
+def evict(slabs: OrderedDict[tuple[Any, ...], Slab], budget: int, keep: tuple[Any, ...]) -> None:
+    """Drop the least recently used slabs (keyed by scope fields, then key name) while all of
+    them hold more than `budget` rows, never one of the scope `keep`: a service searching
+    many small scopes keeps them all (a count of slabs would reload each one as the searches
+    come round), and a scope larger than the budget is still cached while it is searched."""
+    total = sum(slab.n for slab in slabs.values())
+    for key in list(slabs):
+        if total <= budget:
+            return
+        if key[:-1] != keep:
+            total -= slabs.pop(key).n

@@ -24,7 +24,7 @@ from ...errors import StoreError
 from ...model import Job, JobStatus, MemoryRecord
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query
-from ..slab import Slab, unit
+from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import ann, schema, sql
 from .conn import BUSY_ERRORS, DB_ERRORS, Connections
@@ -37,16 +37,17 @@ class SQLiteStore(SQLStore):
     """`Store` over one SQLite file; safe across threads and processes."""
 
     dialect = sql.DIALECT
-    MAX_SLABS = 16
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0,
                  key: str | None = None, ann_threshold: int = 20_000,
-                 lexicon_threshold: int = 20_000) -> None:
+                 lexicon_threshold: int = 20_000, cache_rows: int = 2_000_000) -> None:
         """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
         scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
         extra, else always exact), saved beside the database in `<file>.ann/`.
         `lexicon_threshold`: once the full-text index holds more rows than this, lexical
-        searches run on an in-memory copy of it (lexicon.py: the same scores as FTS5)."""
+        searches run on an in-memory copy of it (lexicon.py: the same scores as FTS5).
+        `cache_rows`: the dense cache keeps searched scopes' keys up to this many in all
+        (least recently searched scopes go first; the one being searched always stays)."""
         self.path = Path(path)
         self._ann_dir: Path | None = None
         if str(path) != ":memory:":
@@ -54,6 +55,7 @@ class SQLiteStore(SQLStore):
             self._ann_dir = self.path.parent / f"{self.path.name}.ann"
         self.ann_threshold = ann_threshold
         self.lexicon_threshold = lexicon_threshold
+        self.cache_rows = cache_rows
         self._lex: Lexicon | None = None
         self._lex_lock = threading.Lock()
         self.busy_timeout_s = busy_timeout_s
@@ -134,8 +136,6 @@ class SQLiteStore(SQLStore):
                 slab = Slab(dim, rich=key_name == "text")
                 self._slabs[key] = slab
             self._slabs.move_to_end(key)
-            while len(self._slabs) > self.MAX_SLABS:
-                self._slabs.popitem(last=False)
             # Inside a write that already changed keys, this connection sees rows that may yet
             # roll back: use the cache as it is (committed state) rather than load them.
             if slab.version != version and not getattr(self._local, "dirty", False):
@@ -169,6 +169,7 @@ class SQLiteStore(SQLStore):
                                  self.dialect)
                 slab.rows_version = rows_version
             exact = not in_tx and slab.version == version and slab.rows_version == rows_version
+            evict(self._slabs, self.cache_rows, key[:-1])
             return slab, exact
 
     def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]:
