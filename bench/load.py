@@ -53,6 +53,35 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+def tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by process `pid` and its descendants (Linux
+    /proc; None elsewhere): the service's cost per request, which a busy machine stretches
+    in wall-clock time but not in CPU time."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
+    try:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue  # gone meanwhile
+                parent[int(entry.name)] = int(fields[1])
+                used[int(entry.name)] = (int(fields[11]) + int(fields[12])) / ticks
+    except OSError:
+        return None
+
+    def under(p: int) -> bool:
+        while p > 1:
+            if p == pid:
+                return True
+            p = parent.get(p, 0)
+        return False
+
+    return sum(cpu for p, cpu in used.items() if under(p)) if pid in used else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,8 +110,8 @@ def postgres() -> Iterator[str]:
 
 
 @contextmanager
-def service(backend: str, workdir: Path, port: int, workers: int = 1) -> Iterator[tuple[str, str]]:
-    """`engram serve` in a subprocess; yields its URL and an API key."""
+def service(backend: str, workdir: Path, port: int, workers: int = 1) -> Iterator[tuple[str, str, int]]:
+    """`engram serve` in a subprocess; yields its URL, an API key and its process id."""
     env = {**os.environ, "ENGRAM_DB": str(workdir / "engram.db"), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("ENGRAM_DATABASE_URL", None)
@@ -108,7 +137,7 @@ def service(backend: str, workdir: Path, port: int, workers: int = 1) -> Iterato
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise SystemExit(f"the service did not start; see {workdir / 'server.log'}")
                 time.sleep(0.2)
-            yield base, key
+            yield base, key, proc.pid
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -158,7 +187,7 @@ async def client(http: httpx2.AsyncClient, cid: int, until: float, think: float,
             await asyncio.sleep(rng.uniform(0.5 * think, 1.5 * think))
 
 
-async def run(base: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
+async def run(base: str, key: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(7)
     limits = httpx2.Limits(max_connections=args.clients + 10, max_keepalive_connections=args.clients + 10)
     async with httpx2.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {key}"},
@@ -177,13 +206,21 @@ async def run(base: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
         errors = {"add": 0, "search": 0}
         until = time.monotonic() + args.duration
         t0 = time.perf_counter()
+        cpu0, own0 = tree_cpu_s(pid), time.process_time()
         await asyncio.gather(*(client(http, i, until, args.think, args.users, out, errors)
                                for i in range(args.clients)))
         wall = time.perf_counter() - t0
+        cpu1, own1 = tree_cpu_s(pid), time.process_time()
     result: dict[str, Any] = {"clients": args.clients, "workers": args.workers,
                               "cores": os.cpu_count(), "think_s": args.think,
                               "duration_s": round(wall, 1), "preloaded": args.preload,
                               "preload_s": round(preload_s, 1)}
+    done = len(out["add"]) + len(out["search"])
+    if cpu0 is not None and cpu1 is not None and done:
+        # what each answered request cost the service (all its processes) and the clients,
+        # in CPU milliseconds: comparable between runs on a busy machine, unlike latency
+        result["service_cpu_ms_per_request"] = round((cpu1 - cpu0) * 1000 / done, 1)
+        result["clients_cpu_ms_per_request"] = round((own1 - own0) * 1000 / done, 1)
     for op in ("add", "search"):
         lat = [v * 1000 for v in out[op]]
         total = len(lat) + errors[op]
@@ -217,8 +254,8 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     for backend in backends:
         with tempfile.TemporaryDirectory(prefix=f"engram-load-{backend}-") as tmp, \
-                service(backend, Path(tmp), free_port(), args.workers) as (base, key):
-            result = {"backend": backend, **asyncio.run(run(base, key, args))}
+                service(backend, Path(tmp), free_port(), args.workers) as (base, key, pid):
+            result = {"backend": backend, **asyncio.run(run(base, key, pid, args))}
         print(json.dumps(result))
         (RESULTS / f"{backend}.json").write_text(json.dumps(result, indent=2) + "\n")
         for op in ("add", "search"):
@@ -226,6 +263,8 @@ def main() -> None:
             print(f"{backend:8} {op:6} n={r['requests']:5} {r['per_s']:6.1f}/s  p50 {r['p50_ms']:7.1f} ms"
                   f"  p95 {r['p95_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  errors {r['error_rate']}",
                   file=sys.stderr)
+        print(f"{backend:8} CPU per request: service {result.get('service_cpu_ms_per_request')} ms,"
+              f" clients {result.get('clients_cpu_ms_per_request')} ms", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,43 @@ def test_console_pages_are_audited_like_the_api(tmp_path: Path, embedder) -> Non
     ui = [(e["route"], e["user_id"], e["key_id"]) for e in reversed(entries)
           if e["route"].startswith("/ui")]
     assert ui == [("/ui/memories", "u1", ids["a member"]), ("/ui/search", "u1", ids["a member"])]
+
+
+def test_entries_are_written_off_the_request_path_in_groups(tmp_path: Path) -> None:
+    """Calls queue their entries and go on; one thread writes them, many per transaction;
+    a read, and closing, wait for what is queued."""
+    import threading
+    from datetime import UTC, datetime
+
+    from engram.server.audit import Entry, GroupWriter, SQLiteAuditLog
+
+    class Counting(SQLiteAuditLog):
+        def __init__(self, path: Path) -> None:
+            super().__init__(path)
+            self.writes: list[int] = []
+
+        def record_many(self, entries: list[Entry]) -> None:
+            self.writes.append(len(entries))
+            super().record_many(entries)
+
+    inner = Counting(tmp_path / "audit.db")
+    writer = GroupWriter(inner)
+
+    def call(n: int) -> None:
+        for i in range(50):
+            writer.record(Entry(f"{n}-{i}", datetime.now(UTC), "k", "t", "GET", "/v1/x", 200,
+                                None, None, None, 10, 1.0))
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(writer.entries(tenant="t", limit=1000)) == 400  # the read waited for the queue
+    assert sum(inner.writes) == 400 and len(inner.writes) < 400  # grouped
+    writer.record(Entry("last", datetime.now(UTC), "k", "t", "GET", "/v1/x", 200, None, None,
+                        None, 10, 1.0))
+    writer.close()
+    again = SQLiteAuditLog(tmp_path / "audit.db")
+    assert len(again.entries(tenant="t", limit=1000)) == 401  # closing wrote the last one
+    again.close()

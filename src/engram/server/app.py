@@ -78,6 +78,7 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
             else:
                 yield
         finally:
+            app.state.audit.close()  # writes what is still queued
             tenants.close()
             limiter.close()
             if own_keys and key_store is not None:

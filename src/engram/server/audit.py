@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +24,6 @@ from typing import Annotated, Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Query
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..config import Config
@@ -66,6 +67,8 @@ class Entry:
 class AuditLog(Protocol):
     def record(self, entry: Entry) -> None: ...
 
+    def record_many(self, entries: list[Entry]) -> None: ...
+
     def entries(self, *, tenant: str | None, all_tenants: bool = False, key_id: str | None = None,
                 route: str | None = None, limit: int = 100) -> list[Entry]: ...
 
@@ -104,10 +107,14 @@ class SQLiteAuditLog:
             conn.execute("CREATE INDEX IF NOT EXISTS audit_tenant ON audit(tenant, at)")
 
     def record(self, entry: Entry) -> None:
-        values = [*asdict(entry).values()]
-        values[1] = entry.at.timestamp()
+        self.record_many([entry])
+
+    def record_many(self, entries: list[Entry]) -> None:
+        rows = [[*asdict(e).values()] for e in entries]
+        for row, e in zip(rows, entries, strict=True):
+            row[1] = e.at.timestamp()
         with self._db.transaction() as conn:
-            conn.execute(f"INSERT INTO audit VALUES ({', '.join('?' * len(COLUMNS))})", values)
+            conn.executemany(f"INSERT INTO audit VALUES ({', '.join('?' * len(COLUMNS))})", rows)
 
     def entries(self, *, tenant: str | None, all_tenants: bool = False, key_id: str | None = None,
                 route: str | None = None, limit: int = 100) -> list[Entry]:
@@ -145,9 +152,12 @@ class PostgresAuditLog:
                 yield cur
 
     def record(self, entry: Entry) -> None:
+        self.record_many([entry])
+
+    def record_many(self, entries: list[Entry]) -> None:
         with self._cursor() as cur:
-            cur.execute(f"INSERT INTO engram_audit VALUES ({', '.join(['%s'] * len(COLUMNS))})",
-                        list(asdict(entry).values()))
+            cur.executemany(f"INSERT INTO engram_audit VALUES ({', '.join(['%s'] * len(COLUMNS))})",
+                            [list(asdict(e).values()) for e in entries])
 
     def entries(self, *, tenant: str | None, all_tenants: bool = False, key_id: str | None = None,
                 route: str | None = None, limit: int = 100) -> list[Entry]:
@@ -160,6 +170,77 @@ class PostgresAuditLog:
 
     def close(self) -> None:
         self._pool.close()
+
+
+class GroupWriter:
+    """An audit log written off the request path: a call queues its entry and goes on; one
+    thread writes whatever has queued meanwhile in one transaction. Each call used to commit
+    (and fsync) its own row, and under 50 clients the audit file's write lock was where
+    request threads waited most. Reads and `close` wait for what is queued first, so the
+    trail read back is complete; an entry queued when the process is killed is lost from the
+    table but was logged (the `engram.audit` line is written before it is queued)."""
+
+    def __init__(self, log_: AuditLog) -> None:
+        self.log = log_
+        self._start()
+
+    def _start(self) -> None:
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._queue: list[Entry] = []
+        self._busy = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def record(self, entry: Entry) -> None:
+        if self._pid != os.getpid():  # a forked worker: its parent's thread is not here
+            self._start()
+        with self._cond:
+            self._queue.append(entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="engram-audit",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def record_many(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            self.record(entry)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+                self._busy = True
+            try:
+                self.log.record_many(batch)
+            except Exception:  # the calls are done; lost audit rows are logged, loudly
+                log.exception("could not record %d audit entries", len(batch))
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every queued entry is written."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._queue and not self._busy, timeout_s)
+
+    def entries(self, *, tenant: str | None, all_tenants: bool = False, key_id: str | None = None,
+                route: str | None = None, limit: int = 100) -> list[Entry]:
+        self.flush()
+        return self.log.entries(tenant=tenant, all_tenants=all_tenants, key_id=key_id,
+                                route=route, limit=limit)
+
+    def close(self) -> None:
+        self.flush()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.log.close()
 
 
 def open_audit_log(config: Config) -> AuditLog:
@@ -238,10 +319,7 @@ class AuditMiddleware:
                 **scope_of(scope.get("query_string", b""), bytes(body)),
                 result_bytes=size[0], duration_ms=round((time.perf_counter() - start) * 1000, 3))
             log.info("audit %s", json.dumps(entry.to_dict(), ensure_ascii=False))
-            try:
-                await run_in_threadpool(self.log.record, entry)
-            except Exception:  # the call itself is done; a lost audit row is logged, loudly
-                log.exception("could not record the audit entry %s", entry.id)
+            self.log.record(entry)  # queued: a GroupWriter writes it off the request path
 
 
 class AuditOut(BaseModel):
@@ -254,7 +332,7 @@ class ReceiptsOut(BaseModel):
 
 def install(app: FastAPI, config: Config) -> None:
     """Record every memory call and serve `GET /v1/audit` (admin keys, their own tenant)."""
-    audit_log = open_audit_log(config)
+    audit_log = GroupWriter(open_audit_log(config))
     app.state.audit = audit_log
     router = APIRouter(prefix="/v1", tags=["audit"], responses=COMMON)
 

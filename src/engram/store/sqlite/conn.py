@@ -7,9 +7,11 @@ database, its WAL and its shared-memory file hold only ciphertext (docs/security
 from __future__ import annotations
 
 import hashlib
+import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
@@ -126,10 +128,27 @@ class Connections:
         self.busy_timeout_s = busy_timeout_s
         self.label = label or str(path)
         self.key = key
+        self._closed = False
+        self._reset()
+        _OPEN.add(self)
+
+    def _reset(self) -> None:
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
         self._lock = threading.Lock()
-        self._closed = False
+        # Writers of this process queue here and are woken the moment the one before them
+        # commits; only other processes' writers are left to SQLite's busy handler, which
+        # polls with sleeps of up to 100 ms (with 20 threads writing, that sleeping was most
+        # of a service's add latency).
+        self._writer = threading.RLock()  # reentrant: a nested BEGIN fails as SQLite says
+
+    def _after_fork(self) -> None:
+        """In a forked child: SQLite connections must not cross a fork (the parent's POSIX
+        locks are not the child's), and a lock a parent thread held would never be released.
+        The inherited connections are kept, never used or closed (closing could disturb the
+        parent's WAL); the child opens its own on first use."""
+        _ABANDONED.extend(self._all)
+        self._reset()
 
     @property
     def encrypted(self) -> bool:
@@ -166,6 +185,17 @@ class Connections:
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction: it commits when the block ends, or rolls back whole."""
         conn = self.get()
+        if not self._writer.acquire(timeout=self.busy_timeout_s):
+            raise StoreBusy(f"{self.label}: another thread of this process kept writing for "
+                            f"{self.busy_timeout_s}s")
+        try:
+            with self._begun(conn):
+                yield conn
+        finally:
+            self._writer.release()
+
+    @contextmanager
+    def _begun(self, conn: sqlite3.Connection) -> Iterator[None]:
         deadline = time.monotonic() + self.busy_timeout_s
         delay = 0.005
         while True:
@@ -180,7 +210,7 @@ class Connections:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.25)
         try:
-            yield conn
+            yield
             conn.execute("COMMIT")
         except BaseException as exc:
             conn.execute("ROLLBACK")
@@ -205,3 +235,15 @@ class Connections:
                 conn.close()
             self._all.clear()
         self._local = threading.local()
+
+
+_OPEN: weakref.WeakSet[Connections] = weakref.WeakSet()
+_ABANDONED: list[sqlite3.Connection] = []  # inherited over a fork: kept, never closed
+
+
+def _after_fork_in_child() -> None:
+    for connections in list(_OPEN):
+        connections._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
