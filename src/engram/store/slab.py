@@ -6,6 +6,8 @@ Each store follows its database into it (sqlite/store.py, postgres/store.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import is_
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -109,9 +111,14 @@ class Slab:
 
     def candidates(self, ids: Sequence[str]) -> tuple[dict[str, Candidate], list[str]]:
         """The cached `Candidate` of each id, and the ids it does not hold."""
+        row_of, cands = self.row_of, self.cands
+        rows = list(map(row_of.get, ids, repeat(-1)))
+        if -1 not in rows:  # the usual case, with C-level maps: every id held
+            got = list(map(cands.__getitem__, rows))
+            if not any(map(is_, got, repeat(None))):  # (`in` would call Candidate.__eq__)
+                return dict(zip(ids, got, strict=True)), []  # type: ignore[arg-type]
         found: dict[str, Candidate] = {}
         missing: list[str] = []
-        row_of, cands = self.row_of, self.cands
         for mid in ids:
             i = row_of.get(mid)
             c = cands[i] if i is not None else None
@@ -212,7 +219,7 @@ class Slab:
             top = top[np.argsort(-sims[top], kind="stable")]
             _, first = np.unique(self.codes[rows[top]], return_index=True)  # best key per memory
             top = top[np.sort(first)]
-            best = dict(zip([mids[r] for r in rows[top].tolist()], sims[top].tolist(), strict=True))
+            best = dict(zip(map(mids.__getitem__, rows[top].tolist()), sims[top].tolist(), strict=True))
             if query.conditions:
                 seen = visible(list(best))
                 best = {mid: s for mid, s in best.items() if mid in seen}
