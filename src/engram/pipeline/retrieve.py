@@ -247,9 +247,11 @@ def asks_past(query: str) -> bool:
     return bool(_PAST_QUESTION.search(query))
 
 
+@lru_cache(maxsize=100_000)
 def announces_change(text: str) -> bool:
     """Does the text say that something changed ("now", "instead", "actually", "moved",
-    "cancelled", "no longer", ...)? Such a statement revises what came before it."""
+    "cancelled", "no longer", ...)? Such a statement revises what came before it. (Cached:
+    the first page of one scope's searches holds the same statements again and again.)"""
     return bool(_CHANGE_WORDS.search(text))
 
 
