@@ -6,8 +6,6 @@ Each store follows its database into it (sqlite/store.py, postgres/store.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
-from operator import is_
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -111,14 +109,9 @@ class Slab:
 
     def candidates(self, ids: Sequence[str]) -> tuple[dict[str, Candidate], list[str]]:
         """The cached `Candidate` of each id, and the ids it does not hold."""
-        row_of, cands = self.row_of, self.cands
-        rows = list(map(row_of.get, ids, repeat(-1)))
-        if -1 not in rows:  # the usual case, with C-level maps: every id held
-            got = list(map(cands.__getitem__, rows))
-            if not any(map(is_, got, repeat(None))):  # (`in` would call Candidate.__eq__)
-                return dict(zip(ids, got, strict=True)), []  # type: ignore[arg-type]
         found: dict[str, Candidate] = {}
         missing: list[str] = []
+        row_of, cands = self.row_of, self.cands
         for mid in ids:
             i = row_of.get(mid)
             c = cands[i] if i is not None else None
