@@ -13,6 +13,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
+from itertools import chain, islice, repeat
+from operator import attrgetter, is_
 from typing import Literal, TypeVar
 
 import numpy as np
@@ -154,28 +156,30 @@ class Fused:
 def fuse_arrays(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapping[str, float],
                 cfg: RetrievalConfig) -> Fused:
     """Each retriever's scores normalised and weighted (see `fuse`), over the union of the ids
-    they found (the ids of one retriever are distinct), as arrays."""
-    index: dict[str, int] = {}
-    where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    they found (the ids of one retriever are distinct), as arrays. The ids are numbered in
+    the order first found, with C-level maps rather than a Python step per hit."""
+    lists: dict[str, tuple[float, tuple[str, ...], tuple[float, ...]]] = {}
     for label, hits in ranked.items():
         w = weights.get(label, 0.0)
-        if not w or not hits:
-            continue
-        pos = np.fromiter((index.setdefault(mid, len(index)) for mid, _ in hits), np.intp, len(hits))
-        if cfg.fusion == "rrf":
-            norm = 1.0 / (cfg.rrf_k + np.arange(len(hits)) + 1.0)
-        else:
-            scores = np.fromiter((s for _, s in hits), float, len(hits))
-            norm = (_stretch(scores, floor=0.0) if label == "lexical"
-                    else _stretch(scores, min_range=cfg.min_cosine_range))
-        where[label] = (pos, w * norm)
+        if w and hits:
+            mids, scores = zip(*hits, strict=True)
+            lists[label] = (w, mids, scores)
+    first = dict.fromkeys(chain.from_iterable(mids for _, mids, _ in lists.values()))
+    index = dict(zip(first, range(len(first)), strict=True))
     n = len(index)
     parts: dict[str, np.ndarray] = {}
     found: dict[str, np.ndarray] = {}
     total = np.zeros(n)
-    for label, (pos, values) in where.items():
+    for label, (w, mids, scores) in lists.items():
+        pos = np.fromiter(map(index.__getitem__, mids), np.intp, len(mids))
+        if cfg.fusion == "rrf":
+            norm = 1.0 / (cfg.rrf_k + np.arange(len(mids)) + 1.0)
+        else:
+            values = np.array(scores, dtype=float)
+            norm = (_stretch(values, floor=0.0) if label == "lexical"
+                    else _stretch(values, min_range=cfg.min_cosine_range))
         parts[label] = np.zeros(n)
-        parts[label][pos] = values
+        parts[label][pos] = w * norm
         found[label] = np.zeros(n, dtype=bool)
         found[label][pos] = True
         total = total + parts[label]  # in retriever order: the same sums as adding floats
@@ -243,9 +247,11 @@ def asks_past(query: str) -> bool:
     return bool(_PAST_QUESTION.search(query))
 
 
+@lru_cache(maxsize=100_000)
 def announces_change(text: str) -> bool:
     """Does the text say that something changed ("now", "instead", "actually", "moved",
-    "cancelled", "no longer", ...)? Such a statement revises what came before it."""
+    "cancelled", "no longer", ...)? Such a statement revises what came before it. (Cached:
+    the first page of one scope's searches holds the same statements again and again.)"""
     return bool(_CHANGE_WORDS.search(text))
 
 
@@ -307,11 +313,11 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
     # much of the pool uses ("great", a name) is no topic
     shared = {w for a in top for b in top if when[a] < when[b] and recs[a].name == recs[b].name
               for w in words[a] & words[b]}
-    df = dict.fromkeys(shared, 0)
-    if shared:
-        for rec in recs.values():
-            for w in shared.intersection(topic_words(rec.text)):
-                df[w] += 1
+    # Only whether a word is that rare (used by at most 2) matters: each count stops at 3,
+    # so a common word costs a few candidates and a rare one a C-level pass over the pool.
+    pool = list(map(topic_words, map(_text, recs.values()))) if shared else []
+    df = {w: sum(islice(filter(None, map(frozenset.__contains__, pool, repeat(w))), 3))
+          for w in shared}
     lifted = {m: score[m] for m in top}
     for b in sorted(top, key=lambda m: (when[m], m)):
         if about is not None and b not in about:
@@ -342,15 +348,17 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
 
     Every adjustment is an array added to the score in a fixed order (speaker, when, recency,
     importance, session, newer), 0 where it does not apply: the same sums, in the same order,
-    as adding each to each candidate's score.
+    as adding each to each candidate's score. The candidates' fields are read into columns
+    with C-level maps (their time and session unit were derived when they were built), and an
+    adjustment whose weight is 0 reads nothing.
     """
-    keep = [i for i, mid in enumerate(fused.ids) if mid in candidates]
-    ids = [fused.ids[i] for i in keep]
-    recs = {mid: candidates[mid] for mid in ids}
-    rows = list(recs.values())
+    held = np.fromiter(map(candidates.__contains__, fused.ids), bool, len(fused.ids))
+    whole = bool(held.all())
+    keep = np.flatnonzero(held)
+    ids = fused.ids if whole else list(map(fused.ids.__getitem__, keep.tolist()))
+    rows = list(map(candidates.__getitem__, ids))
     n = len(rows)
-    whole = len(keep) == len(fused.ids)
-    sel = slice(None) if whole else np.array(keep, dtype=np.intp)
+    sel = slice(None) if whole else keep
     score = fused.total[sel].copy()
     added: dict[str, tuple[np.ndarray, bool]] = {}  # label -> (values, shown where 0 too)
 
@@ -361,36 +369,40 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
 
     # A question naming exactly one speaker is about what that speaker said (or, for a fact
     # with no speaker, about what the fact says of them).
-    named = named_speakers(query, {r.name for r in rows if r.name})
+    names = list(map(_name, rows))
+    named = named_speakers(query, {name for name in set(names) if name})
     first = next(iter(named)).split()[0] if len(named) == 1 else None
     when = asks_when(query)
     # A question about the past gets no preference for what is newer.
     present = not asks_past(query)
     if cfg.speaker_boost and first:
-        add("speaker", cfg.speaker_boost * np.fromiter(
-            (r.name in named or (r.name is None and _names(first, r.text)) for r in rows),
-            bool, n))
+        said = np.fromiter(map(named.__contains__, names), bool, n)
+        unnamed = np.flatnonzero(np.fromiter(map(is_, names, repeat(None)), bool, n))
+        if len(unnamed):  # a fact with no speaker: does it name them?
+            said[unnamed] = list(map(_names, repeat(first), map(_text, map(rows.__getitem__,
+                                                                        unnamed.tolist()))))
+        add("speaker", cfg.speaker_boost * said)
     if cfg.when_boost and when:
-        add("when", cfg.when_boost * np.fromiter((mentions_time(r.text) for r in rows), bool, n))
+        add("when", cfg.when_boost * np.fromiter(map(mentions_time, map(_text, rows)), bool, n))
     if cfg.recency_weight and present and n:
         # shown at 0 too: the oldest candidate is 0 by definition, not by omission
         add("recency", cfg.recency_weight * _span(rows, now), shown=True)
     if cfg.importance_weight:
-        add("importance", cfg.importance_weight * np.fromiter(
-            (r.importance for r in rows), float, n))
+        add("importance", cfg.importance_weight * np.fromiter(map(_importance, rows), float, n))
 
     # Session-level evidence: a turn in the session that best matches the query gains.
     # A memory outside any session (a fact) is a session of its own.
     if cfg.session_weight and n:
-        units: dict[object, int] = {}
-        unit = np.fromiter((units.setdefault(
-            (s.user_id, s.agent_id, s.session_id) if (s := r.scope).session_id is not None
-            else r.id, len(units)) for r in rows), np.intp, n)
-        best = np.zeros(len(units))
+        units = list(map(_unit, rows))
+        codes = dict(zip(dict.fromkeys(units), range(n), strict=False))  # n or fewer
+        unit = np.fromiter(map(codes.__getitem__, units), np.intp, n)
+        best = np.zeros(len(codes))
         np.maximum.at(best, unit, score)
         add("session", cfg.session_weight * _stretch(best, min_range=cfg.min_session_range)[unit])
 
-    order = _order(ids, score)
+    # ordered as far as anything reads: the page newest-wins looks at, the `limit` explained
+    upto = None if limit is None else max(limit, cfg.newer_page if present else 0)
+    order = _order(ids, score, upto)
     if cfg.newer_page and present and n:
         top = [ids[i] for i in order[:cfg.newer_page]]
         on_page = dict(zip(top, score[order[:cfg.newer_page]].tolist(), strict=True))
@@ -404,44 +416,57 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         # the names the question is about ("Ana" in "Where does Ana live?") are shared by every
         # statement about her: they are the subject, never the topic that links a revision
         subject = topic_words(" ".join(re.findall(r"(?<!^)(?<![.?!] )\b[A-Z][\w'-]*", query.strip())))
-        lifts = newest_wins(on_page, recs, cfg.newer_page, about, subject)
+        lifts = newest_wins(on_page, dict(zip(ids, rows, strict=True)), cfg.newer_page, about, subject)
         if lifts:
-            at = {mid: i for i, mid in enumerate(ids)}
+            at = {mid: i for i, mid in enumerate(top)}
             lift = np.zeros(n)
             for mid, v in lifts.items():
-                lift[at[mid]] = v
+                lift[order[at[mid]]] = v
             add("newer", lift)
-            order = _order(ids, score)
+            order = _order(ids, score, upto)
 
-    out: list[Ranked] = []
-    parts = [(label, values[sel].tolist(), fused.found[label][sel].tolist())
+    # only the rows returned are explained
+    shown_rows = order if limit is None else order[:limit]
+    at_rows = shown_rows if whole else keep[shown_rows]
+    parts = [(label, values[at_rows].tolist(), fused.found[label][at_rows].tolist())
              for label, values in fused.parts.items()]
-    total = fused.total[sel].tolist()
-    extra = [(label, values.tolist(), shown) for label, (values, shown) in added.items()]
-    final = score.tolist()
-    for i in (order if limit is None else order[:limit]).tolist():
-        explain = {label: v[i] for label, v, f in parts if f[i]}
-        explain["fused"] = total[i]
+    total = fused.total[at_rows].tolist()
+    extra = [(label, values[shown_rows].tolist(), shown) for label, (values, shown) in added.items()]
+    final = score[shown_rows].tolist()
+    out: list[Ranked] = []
+    for j, i in enumerate(shown_rows.tolist()):
+        explain = {label: v[j] for label, v, f in parts if f[j]}
+        explain["fused"] = total[j]
         for label, v, shown in extra:
-            if v[i] or shown:
-                explain[label] = v[i]
-        explain["score"] = final[i]
-        out.append((ids[i], final[i], explain))
+            if v[j] or shown:
+                explain[label] = v[j]
+        explain["score"] = final[j]
+        out.append((ids[i], final[j], explain))
     return out
 
 
-def _order(ids: Sequence[str], score: np.ndarray) -> np.ndarray:
-    """Positions best first: by score, then by id."""
-    if not len(ids):
+def _order(ids: Sequence[str], score: np.ndarray, upto: int | None = None) -> np.ndarray:
+    """Positions best first: by score, then by id; all of them, or (at least) the first `upto`.
+
+    The first `upto` of a large pool are found without sorting it: every position scoring at
+    least the `upto`-th best (ties at that score included, for the id to decide) is sorted
+    alone, and the rest are left out: the same first `upto` as a full sort gives."""
+    n = len(ids)
+    if upto is None or upto >= n:
+        order: np.ndarray = np.lexsort((np.array(ids), -score)) if n else np.zeros(0, np.intp)
+        return order
+    if upto <= 0:
         return np.zeros(0, np.intp)
-    order: np.ndarray = np.lexsort((np.array(ids), -score))
-    return order
+    neg = -score
+    near = np.flatnonzero(neg <= np.partition(neg, upto - 1)[upto - 1])
+    near_order: np.ndarray = near[np.lexsort((np.array([ids[i] for i in near.tolist()]), neg[near]))]
+    return near_order
 
 
 def _span(rows: Sequence[Candidate], now: datetime) -> np.ndarray:
-    """`span_positions` of the candidates' times (observed, else created), as an array."""
-    secs = np.fromiter((min(r.observed_at or r.created_at, now).timestamp() for r in rows),
-                       float, len(rows))
+    """`span_positions` of the candidates' times (observed, else created), as an array: times
+    after `now` count as `now` (the same as taking the earlier datetime, as time only grows)."""
+    secs = np.minimum(np.fromiter(map(_at, rows), float, len(rows)), now.timestamp())
     lo, hi = secs.min(), secs.max()
     if hi - lo <= 0:
         return np.zeros(len(rows))
@@ -449,5 +474,15 @@ def _span(rows: Sequence[Candidate], now: datetime) -> np.ndarray:
     return pos
 
 
+_name = attrgetter("name")
+_text = attrgetter("text")
+_at = attrgetter("at")
+_unit = attrgetter("unit")
+_importance = attrgetter("importance")
+
+
+@lru_cache(maxsize=100_000)
 def _names(first_name: str, text: str) -> bool:
+    """Does the text name `first_name` as a whole word? (Cached like `mentions_time`: a fact
+    without a speaker comes back search after search, and so do the names asked about.)"""
     return bool(re.search(rf"\b{re.escape(first_name)}\b", text, re.IGNORECASE))

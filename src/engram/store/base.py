@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Literal, Protocol
@@ -128,7 +128,11 @@ class Space:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """The few fields ranking needs, read for hundreds of candidates per search."""
+    """The few fields ranking needs, read for hundreds of candidates per search.
+
+    Two of them derived once, when the candidate is built (a store's cache keeps it for search
+    after search): `at`, its time (observed, else created) in epoch seconds, for recency; and
+    `unit`, what session-level evidence groups it by (its session, or itself outside one)."""
 
     id: str
     scope: Scope
@@ -137,6 +141,14 @@ class Candidate:
     observed_at: datetime | None
     created_at: datetime
     importance: float
+    at: float = field(init=False, repr=False, compare=False)
+    unit: tuple[str | None, ...] | str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        s = self.scope
+        object.__setattr__(self, "at", (self.observed_at or self.created_at).timestamp())
+        object.__setattr__(self, "unit", (s.user_id, s.agent_id, s.session_id)
+                           if s.session_id is not None else self.id)
 
 
 @dataclass(frozen=True)

@@ -171,9 +171,11 @@ class Slab:
         for b in time_bounds(Seen.VISIBLE, query.now, query.as_of):
             col: np.ndarray = getattr(self, b.column)[at]
             t = b.at.timestamp()
-            mask &= np.isnan(col) | ((col > t) if b.op == ">" else (col <= t))
+            # NULL (NaN) or within the bound, in one comparison: NaN compares false
+            mask &= ~(col <= t) if b.op == ">" else ~(col > t)
         if query.kinds:
-            mask &= np.isin(self.kind[at], [_KIND_CODES[k.value] for k in query.kinds])
+            codes = [_KIND_CODES[k.value] for k in query.kinds]
+            mask &= self.kind[at] == codes[0] if len(codes) == 1 else np.isin(self.kind[at], codes)
         return mask
 
     def visible_ids(self, query: Query, ids: Sequence[str]) -> set[str]:
@@ -213,12 +215,13 @@ class Slab:
             top = top[np.argsort(-sims[top], kind="stable")]
             _, first = np.unique(self.codes[rows[top]], return_index=True)  # best key per memory
             top = top[np.sort(first)]
-            best = dict(zip([mids[r] for r in rows[top].tolist()], sims[top].tolist(), strict=True))
+            ids = list(map(mids.__getitem__, rows[top].tolist()))
+            best = list(zip(ids, sims[top].tolist(), strict=True))  # distinct ids, best first
             if query.conditions:
-                seen = visible(list(best))
-                best = {mid: s for mid, s in best.items() if mid in seen}
+                seen = visible(ids)
+                best = [hit for hit in best if hit[0] in seen]
             if len(best) >= k or pool >= len(rows):
-                return list(best.items())[:k]
+                return best[:k]
             pool = min(len(rows), pool * 4)
 
 

@@ -1,0 +1,224 @@
+"""The ranking as it was before it was made fast (issue 13): a frozen copy of `fuse_arrays`,
+`newest_wins` and `rank_arrays` over `Candidate` objects, one row at a time. The reference that
+tests/test_ranking_fast.py holds the fast path to: the same hits, scores and explanations."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+from datetime import datetime
+
+import numpy as np
+
+from engram.pipeline.retrieve import (
+    Fused,
+    RetrievalConfig,
+    _stretch,
+    announces_change,
+    asks_past,
+    asks_when,
+    mentions_time,
+    named_speakers,
+    topic_words,
+)
+from engram.store.base import Candidate
+
+
+def fuse_arrays(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapping[str, float],
+                cfg: RetrievalConfig) -> Fused:
+    """Each retriever's scores normalised and weighted (see `fuse`), over the union of the ids
+    they found (the ids of one retriever are distinct), as arrays."""
+    index: dict[str, int] = {}
+    where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for label, hits in ranked.items():
+        w = weights.get(label, 0.0)
+        if not w or not hits:
+            continue
+        pos = np.fromiter((index.setdefault(mid, len(index)) for mid, _ in hits), np.intp, len(hits))
+        if cfg.fusion == "rrf":
+            norm = 1.0 / (cfg.rrf_k + np.arange(len(hits)) + 1.0)
+        else:
+            scores = np.fromiter((s for _, s in hits), float, len(hits))
+            norm = (_stretch(scores, floor=0.0) if label == "lexical"
+                    else _stretch(scores, min_range=cfg.min_cosine_range))
+        where[label] = (pos, w * norm)
+    n = len(index)
+    parts: dict[str, np.ndarray] = {}
+    found: dict[str, np.ndarray] = {}
+    total = np.zeros(n)
+    for label, (pos, values) in where.items():
+        parts[label] = np.zeros(n)
+        parts[label][pos] = values
+        found[label] = np.zeros(n, dtype=bool)
+        found[label][pos] = True
+        total = total + parts[label]  # in retriever order: the same sums as adding floats
+    return Fused(list(index), parts, found, total)
+
+
+
+def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page: int,
+                about: Collection[str] | None = None,
+                asked: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Topic-level newest-wins: how much each candidate on the first `page` results is lifted
+    to rank just above the older ones it revises (ids of unlifted candidates are left out).
+
+    A newer candidate revises an older one on the page when both come from the same speaker
+    (or neither has one) and either they share a word that no other candidate uses (the topic:
+    "Spanish" in "learning Spanish" and "I dropped Spanish") or the newer, said by a person,
+    says that something changed ("we moved to Leeds", "instead", "no longer"). Near-equal
+    means "both on the first page": a score margin would mean one thing among ten memories and
+    another among a thousand, while the page is where a reader looks either way, and a
+    candidate from deeper in the pool is never brought onto it. Candidates are visited oldest
+    first, so of several revisions the newest comes first; the older keep their scores and stay
+    findable just below. The word "no other candidate uses" is counted over the whole pool.
+    Only candidates in `about` (default: all) may be lifted: in a scope of a few memories the
+    page holds everything, and a revision must itself be about the question. Words of the
+    question's subject (`asked`: the names it mentions) never link two statements: the candidates
+    were retrieved because they share them, so "Ana" links "Ana is allergic to peanuts" to
+    "Ana moved to Lisbon" only by construction when the question is "Where does Ana live?".
+    """
+    top = sorted(score, key=lambda m: (-score[m], m))[:page]
+    when = {m: recs[m].observed_at or recs[m].created_at for m in top}
+    words = {m: topic_words(recs[m].text) - asked for m in top}
+    # how many candidates use each word that two statements of one speaker share: a word
+    # much of the pool uses ("great", a name) is no topic
+    shared = {w for a in top for b in top if when[a] < when[b] and recs[a].name == recs[b].name
+              for w in words[a] & words[b]}
+    df = dict.fromkeys(shared, 0)
+    if shared:
+        for rec in recs.values():
+            for w in shared.intersection(topic_words(rec.text)):
+                df[w] += 1
+    lifted = {m: score[m] for m in top}
+    for b in sorted(top, key=lambda m: (when[m], m)):
+        if about is not None and b not in about:
+            continue
+        # "the same person says something changed" needs a person: a fact (no speaker) is
+        # revised only by a fact sharing its topic word
+        changed = recs[b].name is not None and announces_change(recs[b].text)
+        older = [a for a in top if when[a] < when[b] and recs[a].name == recs[b].name
+                 and lifted[a] >= lifted[b]
+                 and (changed or any(df[w] <= 2 for w in words[a] & words[b]))]
+        if older:
+            lifted[b] = max(lifted[a] for a in older) + 1e-3
+    return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}
+
+
+Ranked = tuple[str, float, dict[str, float]]  # memory id, score, explanation
+
+
+def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
+                cfg: RetrievalConfig, now: datetime, limit: int | None = None) -> list[Ranked]:
+    """`rank` over the arrays of `fuse_arrays`: the best `limit` (default all), explained.
+
+    Every adjustment is an array added to the score in a fixed order (speaker, when, recency,
+    importance, session, newer), 0 where it does not apply: the same sums, in the same order,
+    as adding each to each candidate's score.
+    """
+    keep = [i for i, mid in enumerate(fused.ids) if mid in candidates]
+    ids = [fused.ids[i] for i in keep]
+    recs = {mid: candidates[mid] for mid in ids}
+    rows = list(recs.values())
+    n = len(rows)
+    whole = len(keep) == len(fused.ids)
+    sel = slice(None) if whole else np.array(keep, dtype=np.intp)
+    score = fused.total[sel].copy()
+    added: dict[str, tuple[np.ndarray, bool]] = {}  # label -> (values, shown where 0 too)
+
+    def add(label: str, values: np.ndarray, shown: bool = False) -> None:
+        nonlocal score
+        added[label] = (values, shown)
+        score = score + values
+
+    # A question naming exactly one speaker is about what that speaker said (or, for a fact
+    # with no speaker, about what the fact says of them).
+    named = named_speakers(query, {r.name for r in rows if r.name})
+    first = next(iter(named)).split()[0] if len(named) == 1 else None
+    when = asks_when(query)
+    # A question about the past gets no preference for what is newer.
+    present = not asks_past(query)
+    if cfg.speaker_boost and first:
+        add("speaker", cfg.speaker_boost * np.fromiter(
+            (r.name in named or (r.name is None and _names(first, r.text)) for r in rows),
+            bool, n))
+    if cfg.when_boost and when:
+        add("when", cfg.when_boost * np.fromiter((mentions_time(r.text) for r in rows), bool, n))
+    if cfg.recency_weight and present and n:
+        # shown at 0 too: the oldest candidate is 0 by definition, not by omission
+        add("recency", cfg.recency_weight * _span(rows, now), shown=True)
+    if cfg.importance_weight:
+        add("importance", cfg.importance_weight * np.fromiter(
+            (r.importance for r in rows), float, n))
+
+    # Session-level evidence: a turn in the session that best matches the query gains.
+    # A memory outside any session (a fact) is a session of its own.
+    if cfg.session_weight and n:
+        units: dict[object, int] = {}
+        unit = np.fromiter((units.setdefault(
+            (s.user_id, s.agent_id, s.session_id) if (s := r.scope).session_id is not None
+            else r.id, len(units)) for r in rows), np.intp, n)
+        best = np.zeros(len(units))
+        np.maximum.at(best, unit, score)
+        add("session", cfg.session_weight * _stretch(best, min_range=cfg.min_session_range)[unit])
+
+    order = _order(ids, score)
+    if cfg.newer_page and present and n:
+        top = [ids[i] for i in order[:cfg.newer_page]]
+        on_page = dict(zip(top, score[order[:cfg.newer_page]].tolist(), strict=True))
+        # about the question: not the farthest in meaning (dense 0 is the pool's least similar,
+        # or `min_cosine_range` of cosine or more below the best)
+        about = None
+        if cfg.dense_weight:
+            dense = fused.parts.get("dense")
+            close = dense[sel][order[:cfg.newer_page]] > 0.0 if dense is not None else [False] * len(top)
+            about = {m for m, c in zip(top, close, strict=True) if c}
+        # the names the question is about ("Ana" in "Where does Ana live?") are shared by every
+        # statement about her: they are the subject, never the topic that links a revision
+        subject = topic_words(" ".join(re.findall(r"(?<!^)(?<![.?!] )\b[A-Z][\w'-]*", query.strip())))
+        lifts = newest_wins(on_page, recs, cfg.newer_page, about, subject)
+        if lifts:
+            at = {mid: i for i, mid in enumerate(ids)}
+            lift = np.zeros(n)
+            for mid, v in lifts.items():
+                lift[at[mid]] = v
+            add("newer", lift)
+            order = _order(ids, score)
+
+    out: list[Ranked] = []
+    parts = [(label, values[sel].tolist(), fused.found[label][sel].tolist())
+             for label, values in fused.parts.items()]
+    total = fused.total[sel].tolist()
+    extra = [(label, values.tolist(), shown) for label, (values, shown) in added.items()]
+    final = score.tolist()
+    for i in (order if limit is None else order[:limit]).tolist():
+        explain = {label: v[i] for label, v, f in parts if f[i]}
+        explain["fused"] = total[i]
+        for label, v, shown in extra:
+            if v[i] or shown:
+                explain[label] = v[i]
+        explain["score"] = final[i]
+        out.append((ids[i], final[i], explain))
+    return out
+
+
+def _order(ids: Sequence[str], score: np.ndarray) -> np.ndarray:
+    """Positions best first: by score, then by id."""
+    if not len(ids):
+        return np.zeros(0, np.intp)
+    order: np.ndarray = np.lexsort((np.array(ids), -score))
+    return order
+
+
+def _span(rows: Sequence[Candidate], now: datetime) -> np.ndarray:
+    """`span_positions` of the candidates' times (observed, else created), as an array."""
+    secs = np.fromiter((min(r.observed_at or r.created_at, now).timestamp() for r in rows),
+                       float, len(rows))
+    lo, hi = secs.min(), secs.max()
+    if hi - lo <= 0:
+        return np.zeros(len(rows))
+    pos: np.ndarray = (secs - lo) / (hi - lo)
+    return pos
+
+
+def _names(first_name: str, text: str) -> bool:
+    return bool(re.search(rf"\b{re.escape(first_name)}\b", text, re.IGNORECASE))
