@@ -285,3 +285,19 @@ def test_every_erase_path_removes_the_job_rows(tmp_path: Path, embedder) -> None
                                                                           ("memory", 1)]
         with closing(sqlite3.connect(db)) as conn:
             assert conn.execute("SELECT count(*) FROM jobs").fetchone()[0] == 0
+
+
+def test_erase_leaves_no_text_in_the_process_caches(tmp_path: Path, embedder) -> None:
+    """The caches keyed by text (the embedder's LRU, ranking's per-text caches) drop what they
+    hold on erasure: an erased text does not outlive it in memory either."""
+    from engram.pipeline import retrieve
+
+    ranking = (retrieve.mentions_time, retrieve.topic_words, retrieve.announces_change)
+    with Memory(tmp_path / "c.db", embedder=embedder) as mem:
+        mem.add([f"my pin is {OTHER_CANARY} since March", "and my bike is blue"], user_id="D")
+        assert mem.search(f"what is my pin {OTHER_CANARY}?", user_id="D")
+        assert any(OTHER_CANARY in t for t in embedder._cache)  # they were there
+        assert retrieve.topic_words.cache_info().currsize  # newest-wins read the candidates
+        mem.erase(user_id="D")
+        assert not any(OTHER_CANARY in t for t in embedder._cache)
+        assert [fn.cache_info().currsize for fn in ranking] == [0, 0, 0]

@@ -18,8 +18,9 @@ from dataclasses import replace
 from .. import validate as valid
 from ..errors import NotFound
 from ..model import Event, EventType, MemoryRecord, Receipt, Scope, new_id, utcnow
+from ..providers.embedders import forget_texts
 from ..store import Store, Tx
-from . import entities
+from . import entities, retrieve
 from .engine import Engine
 from .index import Keys, followers
 
@@ -97,6 +98,9 @@ def _erase(engine: Engine, ids: list[str], scope: Scope, moved: list[tuple[Memor
                           sessions=sessions, jobs=jobs, ids_sha256=ids_digest(ids), reason=reason)
         tx.append(receipt_event(receipt, single))
     store.reclaim()
+    # the process's caches keyed by text (ranking's, the embedder's LRU) hold no erased text
+    retrieve.forget_texts()
+    forget_texts(engine.embedder)
     log.info("erased %d memories (%s): receipt %s", len(ids), f"id {single}" if single else kept,
              json.dumps({k: v for k, v in receipt.to_dict().items() if k != "scope"}))
     return receipt

@@ -486,3 +486,10 @@ def _names(first_name: str, text: str) -> bool:
     """Does the text name `first_name` as a whole word? (Cached like `mentions_time`: a fact
     without a speaker comes back search after search, and so do the names asked about.)"""
     return bool(re.search(rf"\b{re.escape(first_name)}\b", text, re.IGNORECASE))
+
+
+def forget_texts() -> None:
+    """Drop the texts the ranking caches above hold (they are keyed by candidates' texts): an
+    erased memory's text must not outlive its erasure in the process's memory."""
+    for cached in (mentions_time, topic_words, announces_change, _names):
+        cached.cache_clear()

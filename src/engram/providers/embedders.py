@@ -469,6 +469,17 @@ def get_embedder(name: str, config: Config | None = None) -> Embedder:
     return factory(config)
 
 
+def forget_texts(embedder: Embedder) -> None:
+    """Drop the texts an embedder (or one it wraps) keeps in its LRU: after an erasure, an
+    erased text must not outlive it in the process's memory either."""
+    found: Any = embedder
+    while found is not None:
+        if isinstance(found, Batched):
+            with found._queue_lock:
+                found._cache.clear()
+        found = getattr(found, "inner", None)
+
+
 def load(embedder: Embedder) -> None:
     """Load the embedder's model now rather than on the first call (a no-op for remote ones)."""
     loader = getattr(embedder, "load", None)
