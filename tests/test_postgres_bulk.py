@@ -15,7 +15,7 @@ from conformance.test_store import NOW, q, rec
 from engram.errors import EngramError, InvalidInput
 from engram.model import MemoryRecord, Scope
 from engram.store import Key, Lexical
-from engram.store.postgres import PostgresStore
+from engram.store.postgres import PostgresStore, schema
 
 DIM = 8
 SCOPES = [Scope("u1", None, "s1"), Scope("u1", "a1", "s2"), Scope("u2")]
@@ -157,3 +157,93 @@ def test_a_bad_row_leaves_nothing_of_its_batch(db: str, spoil: str) -> None:
         assert [_read(store, c) for c in counts] == before
     finally:
         store.close()
+
+
+# -- key tombstones: bounded, and no cache misses a deletion ------------------------------------
+
+KEPT = 300  # tombstones kept per tenant in these tests (schema.TOMBSTONES_SETTING)
+
+
+@pytest.fixture
+def small(pg_server: Any, db: str) -> str:
+    """A database whose tenants keep KEPT tombstones."""
+    with pg_server.admin() as conn:
+        conn.execute(f"ALTER DATABASE {db.split('/')[3].split('?')[0]} "
+                     f"SET {schema.TOMBSTONES_SETTING} = {KEPT}")
+    return db
+
+
+def _fill(store: PostgresStore, n: int, scope: Scope, seed: int) -> list[str]:
+    rows = _rows(n, seed)
+    rows = [(rec(r.text, scope=scope), keys, lex) for r, keys, lex in rows]
+    with store.write() as tx:
+        tx.insert_many(rows)
+    return [r.id for r, _, _ in rows]
+
+
+def _tombstones(store: PostgresStore) -> tuple[int, int, int]:
+    """(rows held, the count meta keeps, the horizon) of the store's tenant."""
+    (held,), = _read(store, "SELECT count(*) FROM key_tombstones WHERE tenant = %s")
+    meta = dict(_read(store, "SELECT name, value::bigint FROM meta WHERE tenant = %s "
+                             "AND name IN ('tombstones', 'tombstone_horizon')"))
+    return held, meta.get("tombstones", 0), meta.get("tombstone_horizon", 0)
+
+
+def test_key_tombstones_stay_bounded(small: str) -> None:
+    kept = KEPT
+    store = PostgresStore(small, tenant="t")
+    try:
+        ids = _fill(store, kept + kept // 2, Scope("big"), seed=6)  # two keys each
+        step = kept // 4  # memories per delete: kept / 2 tombstones
+        for n, start in enumerate(range(0, len(ids), step), 1):
+            with store.write() as tx:
+                if n % 2:
+                    tx.soft_delete(ids[start:start + step], NOW)
+                else:
+                    tx.erase(ids[start:start + step])
+            held, counted, horizon = _tombstones(store)
+            assert held == counted <= 2 * kept
+            if n * step * 2 > 2 * kept:
+                assert horizon > 0
+        assert held == counted == 2 * kept - kept // 2 and horizon > 0
+        (newest,), = _read(store, "SELECT max(id) FROM key_tombstones WHERE tenant = %s")
+        (oldest,), = _read(store, "SELECT min(id) FROM key_tombstones WHERE tenant = %s")
+        assert oldest == horizon + 1 or oldest > horizon
+        assert newest > oldest
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("how", ["erase", "soft_delete"])
+def test_a_cache_older_than_the_horizon_still_sees_every_deletion(small: str, how: str) -> None:
+    reader, writer = PostgresStore(small), PostgresStore(small)  # two processes' caches
+    try:
+        mine = _fill(writer, 60, SCOPES[0], seed=7)
+        big = _fill(writer, KEPT + 100, Scope("big"), seed=8)
+        query = q(SCOPES[0])
+        v = np.ones(DIM, dtype=np.float32)
+        found = reader.pool(query, 100, vector=v, keys=["text", "window"], terms=[])
+        assert {i for i, _ in found["text"]} == set(mine)
+        held = dict(reader._slabs)
+        assert len(held) == 2
+        gone = mine[::3]
+        with writer.write() as tx:  # tombstones the reader has not applied...
+            if how == "erase":
+                tx.erase(gone)
+            else:
+                tx.soft_delete(gone, NOW)
+        with writer.write() as tx:  # ... pruned by the deletions after them
+            tx.erase(big)
+        assert _tombstones(writer)[2] > 0
+        (oldest,), = _read(writer, "SELECT min(id) FROM key_tombstones WHERE tenant = %s")
+        assert all(slab.tomb_max < oldest for slab in held.values())
+        found = reader.pool(query, 100, vector=v, keys=["text", "window"], terms=[])
+        for key in ("text", "window"):
+            assert {i for i, _ in found[key]} == set(mine) - set(gone)
+        with reader._slabs_lock:  # the scope was loaded afresh, and is cached again
+            assert all(reader._slabs[k] is not slab for k, slab in held.items())
+            assert len(reader._slabs) == 2
+        assert {i for i, _ in reader.dense(query, v, 100)} == set(mine) - set(gone)
+    finally:
+        reader.close()
+        writer.close()

@@ -213,12 +213,20 @@ def key_attrs(tenant: str, scope: Scope, key_name: str, dim: int, rich: bool = F
             f"ON m.id = k.memory_id WHERE {w.sql}", w.params)
 
 
+_HORIZON = "SELECT value::bigint FROM meta WHERE tenant = %s AND name = 'tombstone_horizon'"
+
+
 def tombstones(tenant: str, after_id: int) -> r.Stmt:
-    """Keys deleted since tombstone `after_id` (-1: none, only the last id)."""
+    """Keys deleted since tombstone `after_id`, in order, led by (-1, horizon) if tombstones
+    after it have been pruned (schema 0007: the caller cannot know what it missed). -1: none,
+    only the last id (or the horizon, if every tombstone has been pruned). One statement, so
+    the tombstones and the horizon are of one snapshot."""
     if after_id < 0:
-        return "SELECT coalesce(max(id), 0), NULL FROM key_tombstones WHERE tenant = %s", [tenant]
-    return ("SELECT id, seq FROM key_tombstones WHERE tenant = %s AND id > %s ORDER BY id",
-            [tenant, after_id])
+        return (f"SELECT greatest((SELECT coalesce(max(id), 0) FROM key_tombstones "
+                f"WHERE tenant = %s), coalesce(({_HORIZON}), 0)), NULL", [tenant, tenant])
+    return (f"SELECT -1, h.value FROM ({_HORIZON}) h WHERE h.value > %s UNION ALL "
+            "SELECT id, seq FROM key_tombstones WHERE tenant = %s AND id > %s ORDER BY 1",
+            [tenant, after_id, tenant, after_id])
 
 
 def read_vectors(blobs: Sequence[bytes], dim: int) -> np.ndarray:

@@ -417,8 +417,15 @@ class PostgresStore(SQLStore):
         with self._slabs_lock:
             for name, slab in stale.items():
                 dead, added = next(results), next(results)
+                attrs = next(results) if reattr[name] else None
                 if slab.tomb_max < 0:
                     slab.tomb_max = dead[0][0]
+                elif dead and dead[0][0] < 0:
+                    # Tombstones it has not applied were pruned: what was deleted meanwhile is
+                    # unknown, so the slab goes; the caller's search loads the scope afresh.
+                    del slabs[name]
+                    self._slabs.pop(wanted[name], None)
+                    continue
                 elif dead:
                     slab.kill([d[1] for d in dead])
                     slab.tomb_max = dead[-1][0]
@@ -426,8 +433,8 @@ class PostgresStore(SQLStore):
                     slab.append([a[0] for a in added], [a[1] for a in added],
                                 sql.read_vectors([a[2] for a in added], dim),
                                 [a[3:] for a in added], self.dialect)
-                if reattr[name]:
-                    slab.reset_attrs(next(results), self.dialect)
+                if attrs is not None:
+                    slab.reset_attrs(attrs, self.dialect)
                 slab.version, slab.rows_version = versions
                 if int(np.count_nonzero(slab.alive[:slab.n])) > self.cache_limit:
                     self._mark_large(wanted[name])
