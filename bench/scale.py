@@ -31,7 +31,11 @@ How each database is filled:
 
 On SQLite a scope above the store's `ann_threshold` keys (20k) is searched through its HNSW
 index (the `ann` extra: usearch), built by the first search (`first ms`) and saved beside the
-database; below it, exactly. On PostgreSQL, pgvector's HNSW index above `pg_exact_limit`.
+database; below it, exactly. On PostgreSQL a scope above `ann_threshold` is searched in the
+database, exactly up to `pg_exact_limit` keys and through pgvector's HNSW index above: a bulk
+fill goes in without that index, which is then built once after a VACUUM ANALYZE (both timed;
+`--pg-maintenance-mem`), and the report counts which path each dense search took. `--pg`
+raises the throwaway server's shared_buffers (`--pg-shared-buffers`, 2GB).
 `RSS MB` is the benchmark process's resident memory after the searches (the dense caches, the
 HNSW indexes, SQLite's page cache, the embedder), and `per 100k` that divided by the hundred
 thousands of memories in the searched scope.
