@@ -15,7 +15,7 @@ from conformance.test_store import NOW, q, rec
 from engram.errors import EngramError, InvalidInput
 from engram.model import MemoryRecord, Scope
 from engram.store import Key, Lexical
-from engram.store.postgres import PostgresStore, schema
+from engram.store.postgres import PostgresStore, schema, sql
 
 DIM = 8
 SCOPES = [Scope("u1", None, "s1"), Scope("u1", "a1", "s2"), Scope("u2")]
@@ -247,3 +247,17 @@ def test_a_cache_older_than_the_horizon_still_sees_every_deletion(small: str, ho
     finally:
         reader.close()
         writer.close()
+
+
+def test_tsvector_literal_is_array_to_tsvector(db: str) -> None:
+    """Lexemes of any characters (FTS5's tokens drop most punctuation, not all of it)."""
+    terms = sorted({"a'b", "c\\d", "e f", "''", "\\", "zoë", "x:1", "y&z", "{q}", "t,u"})
+    store = PostgresStore(db)
+    try:
+        got, want = store._read("SELECT %s::tsvector::text, array_to_tsvector(%s::text[])::text",
+                                (sql.tsvector_literal(terms), terms))[0]
+        assert got == want and got.count("'") >= 2 * len(terms)
+        assert store._read("SELECT %s::tsvector = array_to_tsvector(%s::text[])",
+                           (sql.tsvector_literal([]), []))[0][0]
+    finally:
+        store.close()
