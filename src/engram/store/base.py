@@ -228,6 +228,10 @@ class Tx(Protocol):
 
     def insert(self, record: MemoryRecord, keys: Sequence[Key], lexical: Lexical) -> None: ...
 
+    def insert_many(self, rows: Sequence[tuple[MemoryRecord, Sequence[Key], Lexical]]) -> None:
+        """`insert` of each row, a statement per table (bulk loads): the same rows, keys and
+        lexical index as one `insert` per row."""
+
     def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
                lexical: Lexical | None = None) -> None:
         """Replace the stored record (same id); replace keys / lexical text when given."""

@@ -27,6 +27,10 @@ _MIGRATION_LOCK = 0x656E6772  # pg_advisory_xact_lock key: one migrator at a tim
 # must follow UUIDv7 order whatever the database's default collation is.
 TEXT = 'text COLLATE "C"'
 MAX_INDEXED_DIM = 2000  # pgvector's HNSW limit for `vector`; wider keys are searched exactly
+# Key tombstones a tenant keeps (the dense caches' record of deleted keys, 0006/0007): a cache
+# that has missed more deletions than these reloads its scope instead of applying them.
+TOMBSTONES_KEPT = 10_000
+TOMBSTONES_SETTING = "engram.tombstones_kept"  # a database or role may set another number
 
 # Tables whose rows belong to a tenant: each gets the tenant policy below.
 TENANT_TABLES = ("memories", "memory_keys", "events", "meta", "jobs", "sessions", "lex_stats",
@@ -311,6 +315,52 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
         "CREATE TRIGGER memories_changed AFTER UPDATE ON memories REFERENCING OLD TABLE AS "
         "changed_from NEW TABLE AS changed_to FOR EACH STATEMENT EXECUTE FUNCTION "
         "engram_rows_changed()",
+    ]),
+    # 0006's tombstones were never pruned. Each tenant now keeps its newest TOMBSTONES_KEPT
+    # (or the `engram.tombstones_kept` setting's number: `ALTER DATABASE ... SET`), and meta
+    # records `tombstones`, how many it holds, and `tombstone_horizon`, the largest id
+    # pruned. The trigger prunes when a tenant holds twice as many: one index scan of
+    # TOMBSTONES_KEPT entries per TOMBSTONES_KEPT deletions. A cache that has applied the
+    # tombstones up to an id below the horizon can no longer know what it missed: it
+    # reloads the scope (store.py, `_refresh`). The backlog an older version left is pruned
+    # here once.
+    ("0007_tombstone_horizon", [
+        "ALTER TABLE key_tombstones NO FORCE ROW LEVEL SECURITY",  # every tenant's backlog
+        "ALTER TABLE meta NO FORCE ROW LEVEL SECURITY",
+        f"""INSERT INTO meta (tenant, name, value)
+            SELECT tenant, 'tombstone_horizon', to_jsonb(max(id)) FROM (SELECT tenant, id,
+                row_number() OVER (PARTITION BY tenant ORDER BY id DESC) AS n FROM key_tombstones) t
+            WHERE n > {TOMBSTONES_KEPT} GROUP BY tenant""",
+        "DELETE FROM key_tombstones k USING meta h WHERE h.tenant = k.tenant "
+        "AND h.name = 'tombstone_horizon' AND k.id <= h.value::bigint",
+        "INSERT INTO meta (tenant, name, value) SELECT tenant, 'tombstones', to_jsonb(count(*)) "
+        "FROM key_tombstones GROUP BY tenant",
+        "ALTER TABLE key_tombstones FORCE ROW LEVEL SECURITY",
+        "ALTER TABLE meta FORCE ROW LEVEL SECURITY",
+        f"""CREATE OR REPLACE FUNCTION engram_keys_gone() RETURNS trigger LANGUAGE plpgsql AS $$
+            DECLARE g record; held bigint; horizon bigint; kept bigint := coalesce(nullif(
+                current_setting('{TOMBSTONES_SETTING}', true), '')::bigint, {TOMBSTONES_KEPT});
+            BEGIN
+            INSERT INTO key_tombstones (tenant, seq) SELECT tenant, seq FROM gone ORDER BY seq;
+            FOR g IN SELECT tenant AS t, count(*) AS n FROM gone GROUP BY tenant LOOP
+                PERFORM engram_bump(g.t, 'keys_version');
+                INSERT INTO meta (tenant, name, value) VALUES (g.t, 'tombstones', to_jsonb(g.n))
+                    ON CONFLICT (tenant, name) DO UPDATE SET value = to_jsonb(meta.value::bigint + g.n)
+                    RETURNING value::bigint INTO held;
+                IF held > 2 * kept THEN
+                    SELECT id INTO horizon FROM key_tombstones WHERE tenant = g.t
+                        ORDER BY id DESC OFFSET kept LIMIT 1;
+                    IF horizon IS NOT NULL THEN
+                        DELETE FROM key_tombstones WHERE tenant = g.t AND id <= horizon;
+                        INSERT INTO meta (tenant, name, value)
+                            VALUES (g.t, 'tombstone_horizon', to_jsonb(horizon))
+                            ON CONFLICT (tenant, name) DO UPDATE SET value = excluded.value;
+                    END IF;
+                    UPDATE meta SET value = to_jsonb((SELECT count(*) FROM key_tombstones
+                        WHERE tenant = g.t)) WHERE tenant = g.t AND name = 'tombstones';
+                END IF;
+            END LOOP;
+            RETURN NULL; END $$""",
     ]),
 ]
 

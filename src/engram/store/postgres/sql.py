@@ -5,11 +5,16 @@ over pgvector."""
 
 from __future__ import annotations
 
+import struct
+from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
+import psycopg
+from psycopg.adapt import Dumper
+from psycopg.pq import Format
 from psycopg.types.json import Json, Jsonb
 
 from ...filters import Condition
@@ -208,12 +213,20 @@ def key_attrs(tenant: str, scope: Scope, key_name: str, dim: int, rich: bool = F
             f"ON m.id = k.memory_id WHERE {w.sql}", w.params)
 
 
+_HORIZON = "SELECT value::bigint FROM meta WHERE tenant = %s AND name = 'tombstone_horizon'"
+
+
 def tombstones(tenant: str, after_id: int) -> r.Stmt:
-    """Keys deleted since tombstone `after_id` (-1: none, only the last id)."""
+    """Keys deleted since tombstone `after_id`, in order, led by (-1, horizon) if tombstones
+    after it have been pruned (schema 0007: the caller cannot know what it missed). -1: none,
+    only the last id (or the horizon, if every tombstone has been pruned). One statement, so
+    the tombstones and the horizon are of one snapshot."""
     if after_id < 0:
-        return "SELECT coalesce(max(id), 0), NULL FROM key_tombstones WHERE tenant = %s", [tenant]
-    return ("SELECT id, seq FROM key_tombstones WHERE tenant = %s AND id > %s ORDER BY id",
-            [tenant, after_id])
+        return (f"SELECT greatest((SELECT coalesce(max(id), 0) FROM key_tombstones "
+                f"WHERE tenant = %s), coalesce(({_HORIZON}), 0)), NULL", [tenant, tenant])
+    return (f"SELECT -1, h.value FROM ({_HORIZON}) h WHERE h.value > %s UNION ALL "
+            "SELECT id, seq FROM key_tombstones WHERE tenant = %s AND id > %s ORDER BY 1",
+            [tenant, after_id, tenant, after_id])
 
 
 def read_vectors(blobs: Sequence[bytes], dim: int) -> np.ndarray:
@@ -271,6 +284,95 @@ def count_in(tenant: str, doc: Document) -> r.Stmt:
             "INSERT INTO lex_terms (tenant, term, df) SELECT %s, t, 1 FROM unnest(%s::text[]) t "
             "ON CONFLICT (tenant, term) DO UPDATE SET df = lex_terms.df + 1",
             [tenant, doc.length, tenant, doc.terms])
+
+
+# -- bulk writes (PgTx.insert_many): a statement per table for many rows -------------------------
+
+# The SQL type of each memory column as a bulk insert's arrays carry it (the rest are text).
+# `provenance` travels as JSON: arrays of arrays of different lengths do not exist in SQL.
+_BULK_TYPES = {"metadata": "jsonb", "importance": "float8", "access_count": "int4",
+               "provenance": "jsonb", "created_at": "timestamptz", "updated_at": "timestamptz",
+               "observed_at": "timestamptz", "valid_from": "timestamptz",
+               "valid_to": "timestamptz", "last_accessed_at": "timestamptz",
+               "expires_at": "timestamptz", "deleted_at": "timestamptz"}
+_PROVENANCE = r.MEMORY_COLUMNS.index("provenance")
+
+
+def tsvector_literal(terms: Sequence[str]) -> str:
+    """`array_to_tsvector(terms)` as tsvector's input text: the same lexemes, no positions."""
+    return " ".join(_lexeme(t) for t in terms)
+
+
+def insert_memories(tenant: str, recs: Sequence[MemoryRecord], docs: Sequence[Document]) -> r.Stmt:
+    """`insert_memory` of many rows in one statement: a column array each, unnested."""
+    cols = [*r.MEMORY_COLUMNS, *LEX_COLUMNS]
+    types = [_BULK_TYPES.get(c, "text") for c in r.MEMORY_COLUMNS] + ["text", "text", "text", "int4"]
+    values = []
+    for rec in recs:
+        row = r.memory_values(DIALECT, rec)
+        row[_PROVENANCE] = Jsonb(list(rec.provenance))
+        values.append(row)
+    columns: list[list[Any]] = [list(c) for c in zip(*values, strict=True)] if values else [
+        [] for _ in r.MEMORY_COLUMNS]
+    columns += [[tsvector_literal(d.terms) for d in docs], [d.body for d in docs],
+                [d.context for d in docs], [d.length for d in docs]]
+    picks = ["ARRAY(SELECT jsonb_array_elements_text(u.provenance))" if c == "provenance"
+             else "u.lex::tsvector" if c == "lex" else f"u.{c}" for c in cols]
+    return (f"INSERT INTO memories (tenant, {', '.join(cols)}) SELECT %s, {', '.join(picks)} "
+            f"FROM unnest({', '.join(f'%s::{t}[]' for t in types)}) AS u({', '.join(cols)})",
+            [tenant, *columns])
+
+
+def count_in_many(tenant: str, docs: Sequence[Document]) -> r.Stmt:
+    """`count_in` of many newly indexed rows at once."""
+    df = Counter(t for d in docs for t in d.terms)
+    terms = sorted(df)
+    return ("WITH s AS (INSERT INTO lex_stats (tenant, rows, tokens) VALUES (%s, %s, %s) "
+            "ON CONFLICT (tenant) DO UPDATE SET rows = lex_stats.rows + excluded.rows, "
+            "tokens = lex_stats.tokens + excluded.tokens) "
+            "INSERT INTO lex_terms (tenant, term, df) SELECT %s, u.t, u.n "
+            "FROM unnest(%s::text[], %s::int8[]) AS u(t, n) "
+            "ON CONFLICT (tenant, term) DO UPDATE SET df = lex_terms.df + excluded.df",
+            [tenant, len(docs), sum(d.length for d in docs), tenant, terms, [df[t] for t in terms]])
+
+
+def insert_keys(tenant: str, dim: int, ids: Sequence[str], kinds: Sequence[str],
+                vectors: Binary) -> r.Stmt:
+    """Keys of one dimension, their vectors a `vector[]` in binary form (`vector_array`)."""
+    return ("INSERT INTO memory_keys (tenant, memory_id, kind, dim, vector) "
+            "SELECT %s, u.m, u.k, %s, u.v FROM unnest(%s::text[], %s::text[], %s::vector[]) "
+            "AS u(m, k, v)", [tenant, int(dim), list(ids), list(kinds), vectors])
+
+
+class Binary:
+    """A parameter already in PostgreSQL's binary form, of the type its statement casts it to
+    (sent with no type: the server takes the cast's)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+class _BinaryDumper(Dumper):
+    format = Format.BINARY
+
+    def dump(self, obj: Any) -> bytes:
+        return bytes(obj.data)
+
+
+psycopg.adapters.register_dumper(Binary, _BinaryDumper)  # every connection made after import
+
+
+def vector_array(oid: int, vectors: np.ndarray) -> Binary:
+    """A float matrix as PostgreSQL's binary form of a `vector[]` (`oid`: pgvector's `vector`
+    type): array_recv's header, then each element's length and vector_recv's form (int16
+    dim, int16 unused, dim big-endian float4). Formatting 384 floats as text costs ~0.6 ms a
+    vector; this costs a copy."""
+    n, d = vectors.shape
+    body = np.empty(n, dtype=[("len", ">i4"), ("dim", ">i2"), ("unused", ">i2"), ("v", ">f4", (d,))])
+    body["len"], body["dim"], body["unused"], body["v"] = 4 + 4 * d, d, 0, vectors
+    return Binary(struct.pack(">iiiii", 1, 0, oid, n, 1) + body.tobytes())
 
 
 def count_out(tenant: str, ids: Sequence[str]) -> r.Stmt:

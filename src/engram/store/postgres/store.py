@@ -97,6 +97,7 @@ class PostgresStore(SQLStore):
         self._small: dict[tuple[Any, ...], bool] = {}
         self._inserted = self._analyzed_at = 0  # rows this process wrote; at its last ANALYZE
         self._vector: tuple[bytes, str] = (b"", "")  # the last query vector and its literal
+        self._oid = 0  # pgvector's `vector` type, once a bulk insert has asked (_vector_oid)
         # The dense cache, shared with the stores of other tenants (keys start with the tenant)
         self.cache_limit = cache_limit
         self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
@@ -216,6 +217,12 @@ class PostgresStore(SQLStore):
             self._batch([("ANALYZE memories, memory_keys", ())], retry=False)
         except (StoreBusy, StoreUnavailable) as exc:
             log.debug("ANALYZE skipped: %s", exc)
+
+    def _vector_oid(self, conn: Connection) -> int:
+        """pgvector's `vector` type (its oid differs between databases): binary vectors name it."""
+        if not self._oid:
+            self._oid = int(conn.execute("SELECT 'vector'::regtype::oid").fetchone()[0])  # type: ignore[index]
+        return self._oid
 
     def for_tenant(self, tenant: str) -> PostgresStore:
         """The store of another tenant of the same database, sharing this one's connections:
@@ -410,8 +417,15 @@ class PostgresStore(SQLStore):
         with self._slabs_lock:
             for name, slab in stale.items():
                 dead, added = next(results), next(results)
+                attrs = next(results) if reattr[name] else None
                 if slab.tomb_max < 0:
                     slab.tomb_max = dead[0][0]
+                elif dead and dead[0][0] < 0:
+                    # Tombstones it has not applied were pruned: what was deleted meanwhile is
+                    # unknown, so the slab goes; the caller's search loads the scope afresh.
+                    del slabs[name]
+                    self._slabs.pop(wanted[name], None)
+                    continue
                 elif dead:
                     slab.kill([d[1] for d in dead])
                     slab.tomb_max = dead[-1][0]
@@ -419,8 +433,8 @@ class PostgresStore(SQLStore):
                     slab.append([a[0] for a in added], [a[1] for a in added],
                                 sql.read_vectors([a[2] for a in added], dim),
                                 [a[3:] for a in added], self.dialect)
-                if reattr[name]:
-                    slab.reset_attrs(next(results), self.dialect)
+                if attrs is not None:
+                    slab.reset_attrs(attrs, self.dialect)
                 slab.version, slab.rows_version = versions
                 if int(np.count_nonzero(slab.alive[:slab.n])) > self.cache_limit:
                     self._mark_large(wanted[name])
@@ -584,6 +598,34 @@ class PgTx(SQLTx):
         self._exec(*sql.insert_memory(self.tenant, record, doc))
         self._exec(*sql.count_in(self.tenant, doc))
         self._put_keys(record.id, keys)
+
+    def insert_many(self, rows: Sequence[tuple[MemoryRecord, Sequence[Key], Lexical]]) -> None:
+        """`insert` of each row, a statement per table (bulk loads): the same rows, lexemes,
+        BM25 statistics and keys, the keys in the same order. The statements run in the
+        write's transaction (its triggers bump the versions the dense caches follow, once per
+        statement), so a bad row leaves nothing of the batch."""
+        if not rows:
+            return
+        self.inserted += len(rows)
+        recs = [rec for rec, _, _ in rows]
+        docs = [self._document(rec, lex) for rec, _, lex in rows]
+        by_dim: dict[int, tuple[list[str], list[str], list[np.ndarray]]] = {}
+        for rec, keys, _ in rows:
+            for key in keys:
+                v = np.asarray(key.vector, dtype=np.float32).ravel()
+                ids, kinds, vectors = by_dim.setdefault(int(v.shape[0]), ([], [], []))
+                ids.append(rec.id)
+                kinds.append(key.name)
+                vectors.append(v)
+        for dim in by_dim:
+            self._ensure_index(dim)
+        self._exec(*sql.insert_memories(self.tenant, recs, docs))
+        self._exec(*sql.count_in_many(self.tenant, docs))
+        if by_dim:
+            oid = self.store._vector_oid(self.conn)
+            for dim, (ids, kinds, vectors) in by_dim.items():
+                self._exec(*sql.insert_keys(self.tenant, dim, ids, kinds,
+                                            sql.vector_array(oid, np.stack(vectors))))
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
         rows = []
