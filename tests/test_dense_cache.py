@@ -51,3 +51,31 @@ def test_many_small_scopes_searched_in_turn_stay_loaded(tmp_path: Path, embedder
             for u in users:
                 assert mem.search("tea", user_id=u, limit=1)[0].memory.text == f"{u} likes tea"
     assert len(loads) == 2 * len(users)  # each scope's keys loaded once, not once per round
+
+
+def test_many_small_scopes_stay_loaded_on_postgres(tmp_path: Path, embedder: MiniLM, pg_server: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from engram import Config
+
+    name = pg_server.create_database()
+    config = Config.from_env(database_url=pg_server.url(name), path=tmp_path / "unused.db")
+    loads: list[int] = []
+    append = Slab.append
+
+    def counting(self: Slab, seqs: list[int], *args: Any, **kwargs: Any) -> None:
+        loads.append(len(seqs))
+        append(self, seqs, *args, **kwargs)
+
+    try:
+        with Memory(config=config, embedder=embedder) as mem:
+            users = [f"user{i}" for i in range(12)]  # 24 slabs: more than the 16 it used to keep
+            for u in users:
+                mem.add([f"{u} likes tea", f"{u} rides a bike"], user_id=u, infer=False)
+            monkeypatch.setattr(Slab, "append", counting)
+            for _ in range(3):
+                for u in users:
+                    assert mem.search("tea", user_id=u, limit=1)[0].memory.text == f"{u} likes tea"
+        assert len(loads) == 2 * len(users)
+    finally:
+        with pg_server.admin() as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -25,7 +25,7 @@ from ...model import Job, MemoryRecord, Scope
 from .. import bm25
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
-from ..slab import Slab
+from ..slab import Slab, evict
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
 from .pool import Connection, Pool, translate
@@ -60,13 +60,12 @@ class PostgresStore(SQLStore):
     """
 
     dialect = sql.DIALECT
-    MAX_SLABS = 16
 
     def __init__(self, url: str, *, tenant: str = "", busy_timeout_s: float = 30.0,
                  statement_timeout_s: float | None = None, connect_timeout_s: float = 5.0,
                  max_connections: int = 10, pool_wait_s: float | None = None,
                  exact_limit: int = 2000, reclaim_mode: str = "vacuum",
-                 cache_limit: int = 20_000) -> None:
+                 cache_limit: int = 20_000, cache_rows: int = 2_000_000) -> None:
         """`busy_timeout_s`: how long a write waits for a lock (`lock_timeout`) and, unless
         `pool_wait_s` says otherwise, for a free connection. `statement_timeout_s` defaults to
         max(60, 2 * busy_timeout_s). `exact_limit`: a dense search over at most this many
@@ -100,6 +99,7 @@ class PostgresStore(SQLStore):
         self._oid = 0  # pgvector's `vector` type, once a bulk insert has asked (_vector_oid)
         # The dense cache, shared with the stores of other tenants (keys start with the tenant)
         self.cache_limit = cache_limit
+        self.cache_rows = cache_rows  # keys held over all scopes (ENGRAM_CACHE_ROWS)
         self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
         self._slabs_lock = threading.Lock()    # the slabs' contents
         self._refresh_lock = threading.Lock()  # one refresh at a time: it appends by seq
@@ -122,7 +122,7 @@ class PostgresStore(SQLStore):
                    connect_timeout_s=config.pg_connect_timeout_s,
                    max_connections=config.pg_pool_size, pool_wait_s=config.pg_pool_wait_s,
                    exact_limit=config.pg_exact_limit, reclaim_mode=config.pg_reclaim,
-                   cache_limit=config.ann_threshold)
+                   cache_limit=config.ann_threshold, cache_rows=config.cache_rows)
 
     # -- connections and transactions --------------------------------------------------------
 
@@ -372,6 +372,9 @@ class PostgresStore(SQLStore):
         wanted = {name: key for name, key in wanted.items() if not self._large.get(key)}
         with self._slabs_lock:
             held = {name: self._slabs.get(key) for name, key in wanted.items()}
+            for key in wanted.values():
+                if key in self._slabs:
+                    self._slabs.move_to_end(key)  # the least recently searched go first
         fresh = {name: slab for name, slab in held.items() if slab is not None
                  and slab.mat.shape[1] == dim and (slab.version, slab.rows_version) == versions}
         if len(fresh) < len(wanted):
@@ -443,8 +446,7 @@ class PostgresStore(SQLStore):
                     continue
                 self._slabs[wanted[name]] = slab
                 self._slabs.move_to_end(wanted[name])
-            while len(self._slabs) > self.MAX_SLABS:
-                self._slabs.popitem(last=False)
+            evict(self._slabs, self.cache_rows, self._slab_key(scope, "")[:-1])
         return slabs
 
     def _mark_large(self, key: tuple[Any, ...]) -> None:
