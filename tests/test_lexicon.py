@@ -19,7 +19,7 @@ from engram.filters import parse_filters
 from engram.model import Kind, MemoryRecord, Scope, new_id
 from engram.pipeline.text import content_hash, terms
 from engram.store import Key, Lexical, Query
-from engram.store.sqlite import SQLiteStore
+from engram.store.sqlite import SQLiteStore, lexicon
 from engram.store.sqlite import sql as sqlite_sql
 
 NOW = datetime(2025, 6, 1, 12, tzinfo=UTC)
@@ -272,3 +272,206 @@ def test_insert_many_writes_what_insert_writes(tmp_path: Path) -> None:
     finally:
         one.close()
         many.close()
+
+
+# -- the log's horizon and the saved index --------------------------------------------------
+
+def log_rows(store: SQLiteStore) -> int:
+    return int(store._read("SELECT count(*) FROM lex_log")[0][0])
+
+
+def loaded(caplog: pytest.LogCaptureFixture) -> bool:
+    return any("loaded the lexical index" in r.getMessage() for r in caplog.records)
+
+
+def test_the_log_stays_bounded_and_an_index_past_its_horizon_rebuilds(tmp_path: Path) -> None:
+    rng = random.Random(13)
+    path = tmp_path / "lex.db"
+    writer = SQLiteStore(path, lexicon_threshold=0, lexicon_log=50)
+    other = SQLiteStore(path, lexicon_threshold=0, lexicon_log=50)  # another process's index
+    try:
+        recs = fill(writer, 200, rng)
+        check(other, rng, 3)
+        behind = other._lex
+        assert behind is not None
+        for i in range(60):  # small writes, the way an agent writes: each logs its rows
+            fill(writer, 7, rng)
+            if i % 5 == 0:
+                with writer.write() as tx:
+                    tx.soft_delete([recs[i].id], NOW)
+                    tx.update(replace(recs[i + 100], text="ramen kyoto"), None,
+                              Lexical("ramen kyoto", "hiking"))
+            assert log_rows(writer) <= 50 + 7
+        (horizon,), = writer._read("SELECT value FROM meta WHERE name = 'lex_horizon'")
+        assert horizon > behind.version  # the other index cannot replay what it missed
+        writer._forget_lexicon_files()     # ... nor load a file: it is built again
+        check(other, rng, 30)
+        assert other._lex is not None and other._lex is not behind
+        (block,), = other._read("SELECT block FROM memory_fts_data WHERE id = 1")
+        assert other._lex.count == sqlite_sql.fts_row_count(block) == 200 + 420 - 12
+        # the position survives a log pruned to nothing (every entry at or below the horizon)
+        with writer.write() as tx:
+            tx.conn.execute("DELETE FROM lex_log")
+        (last, *_), = writer._read(lexicon.STATE)
+        assert last == writer._read("SELECT value FROM meta WHERE name = 'lex_horizon'")[0][0]
+        fill(writer, 5, rng)
+        check(other, rng, 5)
+        assert other._lex.count == 200 + 420 - 12 + 5
+    finally:
+        writer.close()
+        other.close()
+
+
+def test_a_saved_index_is_loaded_and_caught_up_by_a_new_store(
+        store: SQLiteStore, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="engram.store")
+    rng = random.Random(14)
+    recs = fill(store, 600, rng)
+    check(store, rng, 3)  # builds it, and saves it
+    file = tmp_path / "lex.db.lexicon"
+    assert file.exists() and store._read("SELECT value FROM meta WHERE name = 'lex_file'")[0][0]
+    assert not list(tmp_path.glob("lex.db.lexicon.tmp*"))
+    new = SQLiteStore(tmp_path / "lex.db", lexicon_threshold=0)
+    try:
+        check(new, rng, 30)
+        assert loaded(caplog)
+        assert new._lex is not None and new._lex.count == 600
+    finally:
+        new.close()
+    # stale: written to since it was saved; the new store loads it and follows the log
+    with store.write() as tx:
+        tx.soft_delete([r.id for r in recs[:40]], NOW)
+        for r in recs[40:60]:
+            tx.update(replace(r, text="lisbon ramen"), None, Lexical("lisbon ramen", "ramen"))
+    fill(store, 50, rng)
+    caplog.clear()
+    new = SQLiteStore(tmp_path / "lex.db", lexicon_threshold=0)
+    try:
+        check(new, rng, 30)
+        assert loaded(caplog) and new._lex is not None and new._lex.count == 610
+    finally:
+        new.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "foreign", "older"])
+def test_a_corrupt_or_foreign_file_is_rebuilt_never_trusted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str) -> None:
+    caplog.set_level("INFO", logger="engram.store")
+    rng = random.Random(15)
+    path, file = tmp_path / "lex.db", tmp_path / "lex.db.lexicon"
+    s = SQLiteStore(path, lexicon_threshold=0)
+    try:
+        recs = fill(s, 300, rng)
+        check(s, rng, 2)
+        data = file.read_bytes()
+        if damage == "flip":  # one bit in the postings
+            file.write_bytes(data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 1])
+                             + data[len(data) // 2 + 1:])
+        elif damage == "truncate":
+            file.write_bytes(data[:len(data) - 100])
+        elif damage == "garbage":
+            file.write_bytes(b"not an index at all" * 50)
+        elif damage == "foreign":  # another database's index, with other rows
+            other = SQLiteStore(tmp_path / "other.db", lexicon_threshold=0)
+            fill(other, 350, random.Random(99))
+            check(other, rng, 1)
+            other.close()
+            (tmp_path / "other.db.lexicon").replace(file)
+        else:  # an older save of this database (a restored copy of the file)
+            with s.write() as tx:
+                tx.soft_delete([r.id for r in recs[:30]], NOW)
+            s._save_lexicon(s._lex)  # type: ignore[arg-type]
+            file.write_bytes(data)
+        caplog.clear()
+        new = SQLiteStore(path, lexicon_threshold=0)
+        try:
+            check(new, rng, 20)
+            assert not loaded(caplog)
+            assert any("built the lexical index" in r.getMessage() for r in caplog.records)
+            assert new._lex is not None
+            assert new._lex.count == (270 if damage == "older" else 300)
+        finally:
+            new.close()
+        # ... and saved again: the next store loads the rebuilt one
+        caplog.clear()
+        again = SQLiteStore(path, lexicon_threshold=0)
+        try:
+            check(again, rng, 3)
+            assert loaded(caplog)
+        finally:
+            again.close()
+    finally:
+        s.close()
+
+
+def side_files(tmp_path: Path) -> list[Path]:
+    return [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(
+        (".db", ".db-wal", ".db-shm"))]
+
+
+def test_an_erasure_leaves_no_word_in_a_side_file(tmp_path: Path) -> None:
+    rng = random.Random(16)
+    path, canary = tmp_path / "lex.db", "zqxcanaryword"
+    s = SQLiteStore(path, lexicon_threshold=0)
+    other = SQLiteStore(path, lexicon_threshold=0)  # another process, its index built before
+    try:
+        fill(s, 200, rng)
+        secret = record(f"my {canary} is here", SCOPES[0], rng)
+        with s.write() as tx:
+            tx.insert(secret, [Key("text", np.ones(4, dtype=np.float32) / 2)],
+                      Lexical(secret.text))
+        q = Query(scope=SCOPES[0], now=NOW)
+        assert [m for m, _ in s.lexical(q, [canary], 5, 0.5)] == [secret.id]
+        assert [m for m, _ in other.lexical(q, [canary], 5, 0.5)] == [secret.id]
+        assert any(canary.encode() in p.read_bytes() for p in side_files(tmp_path))  # it can fail
+        stale = other._lex
+        assert stale is not None
+        with s.write() as tx:
+            tx.erase([secret.id])
+        assert not any(canary.encode() in p.read_bytes() for p in side_files(tmp_path))
+        # the other process's index predates the erasure: it never names a file again...
+        other._save_lexicon(stale)
+        assert not any(canary.encode() in p.read_bytes() for p in side_files(tmp_path))
+        assert s._read("SELECT value FROM meta WHERE name = 'lex_file'")[0][0] == 0
+        # ... and its next search drops it, and builds (and saves) one without the word
+        assert other.lexical(q, [canary], 5, 0.5) == []
+        assert other._lex is not stale and other._lex is not None
+        assert canary not in other._lex.vocab
+        assert (tmp_path / "lex.db.lexicon").exists()
+        assert not any(canary.encode() in p.read_bytes() for p in side_files(tmp_path))
+    finally:
+        s.close()
+        other.close()
+
+
+def test_a_file_the_database_no_longer_names_goes_when_a_store_opens(tmp_path: Path) -> None:
+    rng = random.Random(17)
+    path, file = tmp_path / "lex.db", tmp_path / "lex.db.lexicon"
+    s = SQLiteStore(path, lexicon_threshold=0)
+    recs = fill(s, 100, rng)
+    check(s, rng, 1)
+    assert file.exists()
+    # an erasure whose process died between its commit and removing the file
+    s._read("SELECT 1")
+    with s.connections.transaction() as conn:
+        conn.execute("DELETE FROM memories WHERE id = ?", (recs[0].id,))
+    s.close()
+    assert file.exists()
+    SQLiteStore(path, lexicon_threshold=0).close()
+    assert not file.exists()
+
+
+def test_no_saved_index_beside_an_encrypted_database(tmp_path: Path) -> None:
+    pytest.importorskip("sqlcipher3")
+    rng = random.Random(18)
+    path, file = tmp_path / "enc.db", tmp_path / "enc.db.lexicon"
+    file.write_bytes(b"left from when it was plain")
+    s = SQLiteStore(path, key="a passphrase", lexicon_threshold=0)
+    try:
+        assert not file.exists()  # removed at open
+        fill(s, 150, rng)
+        check(s, rng, 10)  # the index is in memory, and answers as FTS5 does
+        assert s._lex is not None and s._lex.count == 150
+        assert not list(tmp_path.glob("enc.db.lexicon*"))
+    finally:
+        s.close()

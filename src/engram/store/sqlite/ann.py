@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,7 @@ class Ann:
     def save(self, path: Path) -> None:
         """Write the index beside the database (atomically: a reader never sees half)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{threading.get_ident()}")
+        tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")  # per process too
         self.index.save(str(tmp))
         tmp.replace(path)
 

@@ -21,14 +21,32 @@ the same transaction, by triggers on `memories`: schema.py), and a search first 
 log entries past the ones it has seen (any process may have written them): the row's old
 document dies, its current content (if any) is indexed again. New documents go to small
 segments, merged when they are many; a quarter dead rebuilds the whole index.
+
+The log stays bounded (`prune_log`, on every write): past `keep` entries the older half is
+deleted and `meta.lex_horizon` records the last id gone. An index older than the horizon
+cannot replay what it missed: it is loaded from its file or built again.
+
+Its file (`save` / `load`) lets a new process start from the index instead of building it
+(a minute at 1M rows), then catch up through the log. The file is a cache, trusted only
+while the database names it: each save draws a random token, written in the file's header
+and in `meta.lex_file` in one write transaction, and any erasure (a trigger on deleting a
+memory, schema.py) sets `meta.lex_file` to 0 in the erasing transaction. A file whose token
+the database does not hold (another database's, a restored backup's, one saved before an
+erasure), whose position the log cannot reach, or whose checksum fails is never read further.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 import sqlite3
+import threading
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +57,46 @@ Doc = tuple[int, str, str, str, str]  # (rid, memory id, body, context, owner) o
 MAX_SEGMENTS = 8
 MAX_DEAD = 0.25
 BATCH = 20_000       # documents tokenised at once while building
+LOG_KEEP = 100_000   # lex_log entries kept (then the older half goes): `prune_log`
+MAGIC = b"engram-lexicon\n\x00"  # the first 16 bytes of a saved index
+FORMAT = 1
+ALIGN = 8
+
+log = logging.getLogger("engram.store")
+
+# The log's position (its last id, or the horizon once every entry is pruned), FTS5's row count
+# (its `averages` record), the horizon, the erasure count and the token of the trusted file.
+STATE = ("SELECT max((SELECT coalesce(max(id), 0) FROM lex_log), h.value), "
+         "(SELECT block FROM memory_fts_data WHERE id = 1), h.value, "
+         "(SELECT value FROM meta WHERE name = 'erasures'), "
+         "(SELECT value FROM meta WHERE name = 'lex_file') "
+         "FROM meta h WHERE h.name = 'lex_horizon'")
+HORIZON = "SELECT value FROM meta WHERE name = 'lex_horizon'"
+
+
+def prune_log(conn: sqlite3.Connection, keep: int) -> None:
+    """Inside a write: once `lex_log` holds more than `keep` entries, delete the older half
+    and move the horizon to the last one deleted (ids are never reused: AUTOINCREMENT, so
+    the entries past the horizon are the ones kept)."""
+    (top, horizon), = conn.execute(
+        "SELECT (SELECT coalesce(max(id), 0) FROM lex_log), value FROM meta "
+        "WHERE name = 'lex_horizon'").fetchall()
+    if top - horizon > keep:
+        cut = top - keep // 2
+        conn.execute("DELETE FROM lex_log WHERE id <= ?", (cut,))
+        conn.execute("UPDATE meta SET value = ? WHERE name = 'lex_horizon'", (cut,))
+
+
+def _pack(strings: Sequence[str]) -> np.ndarray | None:
+    """Strings as one NUL-separated UTF-8 array; None if one holds a NUL itself."""
+    blob = "\0".join(strings)
+    if blob.count("\0") != max(len(strings) - 1, 0):
+        return None
+    return np.frombuffer(blob.encode(), dtype=np.uint8)
+
+
+def _unpack(arr: np.ndarray, n: int) -> list[str]:
+    return arr.tobytes().decode().split("\0") if n else []
 
 
 def pair_key(a: Any, b: Any) -> Any:
@@ -114,6 +172,8 @@ class Lexicon:
         self.count = 0      # live documents: FTS5's N
         self.total = 0.0    # their tokens: N * avgdl
         self.version = -1   # the last lex_log id applied; -1: not built
+        self.erasures = 0   # meta.erasures when built: an erasure since drops it (its words)
+        self.saved = -1     # the version last saved to (or loaded from) its file
         self._scopes: dict[tuple[str, ...], tuple[int, np.ndarray]] = {}
 
     def close(self) -> None:
@@ -215,6 +275,107 @@ class Lexicon:
 
     def dead_share(self) -> float:
         return 1.0 - self.count / self.n if self.n else 0.0
+
+    # -- its file ------------------------------------------------------------------------------
+
+    def _arrays(self) -> list[np.ndarray] | None:
+        n = self.n
+        terms, ids = _pack(list(self.vocab)), _pack(self.ids)
+        if terms is None or ids is None:
+            return None
+        out = [a for s in self.segments for a in (s.keys, s.starts, s.docs, s.body, s.context)]
+        return [*out, self.rids[:n], self.lens[:n], self.alive[:n], terms, ids]
+
+    def write(self, path: Path, token: int) -> Path | None:
+        """Write the index to a temporary file beside `path` (the caller renames it into place,
+        under the database's write lock); None if it cannot be saved (a NUL in an id)."""
+        arrays = self._arrays()
+        if arrays is None:
+            log.warning("the lexical index is not saved: an id holds a NUL character")
+            return None
+        layout, at = [], 0
+        for a in arrays:
+            layout.append([a.dtype.str, list(a.shape), at])
+            at += -(-a.nbytes // ALIGN) * ALIGN
+        header = json.dumps({
+            "format": FORMAT, "tokenize": TOKENIZE, "token": token, "version": self.version,
+            "erasures": self.erasures, "n": self.n, "count": self.count, "total": self.total,
+            "terms": len(self.vocab), "segments": len(self.segments), "arrays": layout,
+        }).encode()
+        head = MAGIC + len(header).to_bytes(8, "little") + header
+        head += b"\0" * (-len(head) % ALIGN)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
+        try:
+            with open(tmp, "wb") as f:
+                crc = zlib.crc32(head)
+                f.write(head)
+                for a in arrays:
+                    data = np.ascontiguousarray(a).data.cast("B")
+                    pad = b"\0" * (-len(data) % ALIGN)
+                    crc = zlib.crc32(pad, zlib.crc32(data, crc))
+                    f.write(data)
+                    f.write(pad)
+                f.write(crc.to_bytes(4, "little"))
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    @classmethod
+    def load(cls, path: Path, token: int) -> Lexicon | None:
+        """The index saved at `path` if its header names `token` and its checksum holds; None
+        otherwise (no file, another save's, torn, corrupt or of another format)."""
+        try:
+            with open(path, "rb") as f:
+                start = f.read(len(MAGIC) + 8)
+                if len(start) < len(MAGIC) + 8 or start[:len(MAGIC)] != MAGIC:
+                    raise ValueError("not a lexicon file")
+                size = int.from_bytes(start[len(MAGIC):], "little")
+                if size > 1 << 26:
+                    raise ValueError("header too long")
+                raw = f.read(size)
+                head = json.loads(raw)
+                if head.get("token") != token:
+                    return None  # another save's (or another database's): not this one
+                if head.get("format") != FORMAT or head.get("tokenize") != TOKENIZE:
+                    raise ValueError("another format")
+                f.read(-(len(start) + size) % ALIGN)
+                body = bytearray(os.fstat(f.fileno()).st_size - f.tell())
+                f.readinto(body)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            log.warning("ignoring the unreadable lexical index %s: %s", path, exc)
+            return None
+        pre = start + raw + b"\0" * (-(len(start) + size) % ALIGN)
+        if len(body) < 4 or zlib.crc32(memoryview(body)[:-4], zlib.crc32(pre)) != \
+                int.from_bytes(body[-4:], "little"):
+            log.warning("ignoring the lexical index %s: its checksum fails", path)
+            return None
+        try:
+            arrays = [np.frombuffer(body, dtype=np.dtype(dt), count=math.prod(shape),
+                                    offset=at).reshape(shape) for dt, shape, at in head["arrays"]]
+            *segs, rids, lens, alive, terms, ids = arrays
+            lex = cls()
+            lex.segments = [Segment(*segs[i:i + 5]) for i in range(0, len(segs), 5)]
+            lex.vocab = {t: i for i, t in enumerate(_unpack(terms, head["terms"]))}
+            lex.ids = _unpack(ids, head["n"])
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+            log.warning("ignoring the malformed lexical index %s: %s", path, exc)
+            return None
+        n = lex.n = head["n"]
+        lex.rids, lex.lens, lex.alive = rids.astype(np.int64), lens.astype(np.float64), \
+            alive.astype(bool)
+        lex._map(int(rids.max()) if n else 0)
+        live = np.flatnonzero(lex.alive)
+        lex.doc_of[lex.rids[live]] = live.astype(np.int32)
+        lex.count, lex.total = head["count"], head["total"]
+        lex.version = lex.saved = head["version"]
+        lex.erasures = head["erasures"]
+        return lex
 
     # -- searching -----------------------------------------------------------------------------
 

@@ -184,6 +184,19 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
         "CREATE TRIGGER memories_lex_delete AFTER DELETE ON memories "
         "BEGIN INSERT INTO lex_log(rid) VALUES (old.rid); END",
     ]),
+    # The lexicon's log is pruned (lexicon.py::prune_log): `lex_horizon` is the last entry
+    # deleted, so an index older than it knows it missed some. Its saved file is trusted only
+    # while `lex_file` holds the file's token; deleting a memory (an erasure) counts in
+    # `erasures` and unnames the file in the same transaction, since the file, like an index
+    # built before, may hold the erased words.
+    ("0006_lexicon_file", [
+        "INSERT INTO meta(name, value) VALUES ('lex_horizon', 0)",
+        "INSERT INTO meta(name, value) VALUES ('lex_file', 0)",
+        "INSERT INTO meta(name, value) VALUES ('erasures', 0)",
+        "CREATE TRIGGER memories_erased AFTER DELETE ON memories BEGIN "
+        "UPDATE meta SET value = value + 1 WHERE name = 'erasures'; "
+        "UPDATE meta SET value = 0 WHERE name = 'lex_file'; END",
+    ]),
 ]
 
 

@@ -83,11 +83,6 @@ def index_text(rid: int, scope: Scope, body: str, previous: str) -> r.Stmt:
             [rid, body, previous, " ".join(owner_tokens(scope))])
 
 
-# the log's last entry and FTS5's own row count (its `averages` record: varints, rows first)
-LEX_STATE = ("SELECT (SELECT coalesce(max(id), 0) FROM lex_log), "
-             "(SELECT block FROM memory_fts_data WHERE id = 1)")
-
-
 def fts_rows(rids: Sequence[int] | None = None) -> r.Stmt:
     """memory_fts rows (all, or these rowids) as the lexicon indexes them."""
     sel = ("SELECT f.rowid, m.id, f.body, f.context, f.owner FROM memory_fts f "

@@ -8,6 +8,7 @@ has changed it; a stale cache entry is caught by re-checking candidates against 
 from __future__ import annotations
 
 import logging
+import secrets
 import sqlite3
 import threading
 from collections import OrderedDict
@@ -26,7 +27,7 @@ from .. import records as r
 from ..base import Candidate, Key, Lexical, Query
 from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
-from . import ann, schema, sql
+from . import ann, lexicon, schema, sql
 from .conn import BUSY_ERRORS, DB_ERRORS, Connections
 from .lexicon import MAX_DEAD, Lexicon
 
@@ -40,21 +41,27 @@ class SQLiteStore(SQLStore):
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0,
                  key: str | None = None, ann_threshold: int = 20_000,
-                 lexicon_threshold: int = 20_000, cache_rows: int = 2_000_000) -> None:
+                 lexicon_threshold: int = 20_000, lexicon_log: int = lexicon.LOG_KEEP,
+                 cache_rows: int = 2_000_000) -> None:
         """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
         scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
         extra, else always exact), saved beside the database in `<file>.ann/`.
         `lexicon_threshold`: once the full-text index holds more rows than this, lexical
-        searches run on an in-memory copy of it (lexicon.py: the same scores as FTS5).
+        searches run on an in-memory copy of it (lexicon.py: the same scores as FTS5), saved
+        beside the database in `<file>.lexicon` (not when it is encrypted: it holds words).
+        `lexicon_log`: the entries `lex_log` keeps (then the older half is pruned).
         `cache_rows`: the dense cache keeps searched scopes' keys up to this many in all
         (least recently searched scopes go first; the one being searched always stays)."""
         self.path = Path(path)
         self._ann_dir: Path | None = None
+        self._lex_path: Path | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._ann_dir = self.path.parent / f"{self.path.name}.ann"
+            self._lex_path = self.path.parent / f"{self.path.name}.lexicon"
         self.ann_threshold = ann_threshold
         self.lexicon_threshold = lexicon_threshold
+        self.lexicon_log = lexicon_log
         self.cache_rows = cache_rows
         self._lex: Lexicon | None = None
         self._lex_lock = threading.Lock()
@@ -66,6 +73,11 @@ class SQLiteStore(SQLStore):
         schema.migrate(self._db)
         if self._db.encrypted:
             secure_fts_delete(self._db)
+        # a saved index the database no longer names (an erasure whose process died before
+        # removing it), or any beside an encrypted database (saved while it was plain), goes
+        (named,), = self._read("SELECT value FROM meta WHERE name = 'lex_file'")
+        if self._db.encrypted or not named:
+            self._forget_lexicon_files()
 
     @property
     def connections(self) -> Connections:
@@ -93,6 +105,7 @@ class SQLiteStore(SQLStore):
                 yield tx
                 if tx.keys_changed:
                     conn.execute(sql.BUMP_KEYS)
+                lexicon.prune_log(conn, self.lexicon_log)
             finally:
                 self._local.dirty = False
         if tx.erased:
@@ -106,10 +119,17 @@ class SQLiteStore(SQLStore):
             if self._lex is not None:
                 self._lex.close()
                 self._lex = None
+            self._forget_lexicon_files()
         with self._slabs_lock:
             for slab in self._slabs.values():
                 slab.ann = None
             ann.forget_files(self._ann_dir)
+
+    def _forget_lexicon_files(self) -> None:
+        """Remove the saved lexical index and any half-written one."""
+        if self._lex_path is not None:
+            for f in self._lex_path.parent.glob(f"{self._lex_path.name}*"):
+                f.unlink(missing_ok=True)
 
     def migrations(self) -> list[str]:
         return schema.applied(self._db)
@@ -313,32 +333,82 @@ class SQLiteStore(SQLStore):
 
     def _lexicon(self) -> Lexicon | None:
         """The in-memory lexical index, brought up to date with `lex_log`; None while the
-        database is small. Call with `_lex_lock` held."""
-        (last, block), = self._read(sql.LEX_STATE)
+        database is small. Held in memory, else loaded from its file, else built (and saved).
+        Call with `_lex_lock` held."""
+        (last, block, horizon, erasures, named), = self._read(lexicon.STATE)
         lex = self._lex
         if lex is None and sql.fts_row_count(block) <= self.lexicon_threshold:
             return None
-        if lex is not None and lex.version != last:
-            changed = self._read("SELECT id, rid FROM lex_log WHERE id > ? ORDER BY id",
-                                 [lex.version])
-            if changed:
-                rids = sorted({row[1] for row in changed})
-                lex.remove(rids)
-                chunk = self.dialect.chunk
-                lex.add([row for i in range(0, len(rids), chunk)
-                         for row in self._read(*sql.fts_rows(rids[i:i + chunk]))])
-                lex.version = changed[-1][0]
-            if lex.dead_share() > MAX_DEAD:
+        # An erasure since it was built: its vocabulary may hold the erased words.
+        if lex is not None and (lex.erasures != erasures or not self._catch_up(lex, last)):
+            lex.close()
+            lex = self._lex = None
+        if lex is None and named and self._lex_path is not None and not self._db.encrypted:
+            lex = Lexicon.load(self._lex_path, named)
+            if lex is not None and not (lex.erasures == erasures and horizon <= lex.version <= last
+                                        and self._catch_up(lex, last)):
                 lex.close()
-                lex = self._lex = None
+                lex = None
+            if lex is not None:
+                log.info("loaded the lexical index over %d rows", lex.count)
         if lex is None:
             # the log first: a row written in between is read here and again from the log
             lex = Lexicon()
-            lex.version = last
+            lex.version, lex.erasures = last, erasures
             lex.add(self._read(*sql.fts_rows()))
             log.info("built the lexical index over %d rows", lex.count)
-            self._lex = lex
+            self._save_lexicon(lex)
+        elif lex.version - lex.saved > self.lexicon_log // 4:
+            self._save_lexicon(lex)  # keep the file within the log's reach
+        self._lex = lex
         return lex
+
+    def _catch_up(self, lex: Lexicon, last: int) -> bool:
+        """Apply the log past `lex.version`; False if it can no longer be followed (pruned
+        past it) or is mostly dead: then it is rebuilt."""
+        if lex.version == last:
+            return True
+        changed = self._read("SELECT id, rid FROM lex_log WHERE id > ? ORDER BY id",
+                             [lex.version])
+        # read after the entries: a prune past `version` before or while they were read
+        (horizon,), = self._read(lexicon.HORIZON)
+        if horizon > lex.version:
+            return False
+        if changed:
+            rids = sorted({row[1] for row in changed})
+            lex.remove(rids)
+            chunk = self.dialect.chunk
+            lex.add([row for i in range(0, len(rids), chunk)
+                     for row in self._read(*sql.fts_rows(rids[i:i + chunk]))])
+            lex.version = changed[-1][0]
+        return lex.dead_share() <= MAX_DEAD
+
+    def _save_lexicon(self, lex: Lexicon) -> None:
+        """Write the index's file and name it in the database (its token in `meta.lex_file`),
+        the rename and the naming under the write lock: the file named is the last renamed,
+        and none is named once an erasure committed after this index was built. Never for an
+        encrypted database (the file would hold its words in clear)."""
+        if self._lex_path is None or self._db.encrypted:
+            return
+        token = secrets.randbits(62) + 1
+        tmp: Path | None = None
+        try:
+            tmp = lex.write(self._lex_path, token)
+            if tmp is None:
+                return
+            with self._db.transaction() as conn:
+                (erasures,), = conn.execute("SELECT value FROM meta WHERE name = 'erasures'")
+                if erasures != lex.erasures:
+                    return
+                tmp.replace(self._lex_path)
+                conn.execute("UPDATE meta SET value = ? WHERE name = 'lex_file'", (token,))
+            lex.saved = lex.version
+            log.info("saved the lexical index (%d rows) to %s", lex.count, self._lex_path)
+        except (OSError, StoreError) as exc:  # a cache: the next build or save tries again
+            log.warning("could not save the lexical index to %s: %s", self._lex_path, exc)
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
 
     def _lexical_visible(self, query: Query, ids: list[str]) -> set[str]:
         """The ids `query` may see: from the `text` cache when it is exact (no SQL), else the
