@@ -33,8 +33,8 @@ def test_evict_drops_the_least_recently_used_until_within_the_budget() -> None:
     assert [k[0] for k in slabs] == ["c", "c"]
 
 
-def test_many_small_scopes_searched_in_turn_stay_loaded(tmp_path: Path, embedder: MiniLM,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def _loads_searching_in_turn(mem: Memory, users: list[str], monkeypatch: pytest.MonkeyPatch) -> int:
+    """How many times slabs load keys while each user's scope is searched three rounds over."""
     loads: list[int] = []
     append = Slab.append
 
@@ -42,15 +42,21 @@ def test_many_small_scopes_searched_in_turn_stay_loaded(tmp_path: Path, embedder
         loads.append(len(seqs))
         append(self, seqs, *args, **kwargs)
 
-    with Memory(path=tmp_path / "m.db", embedder=embedder) as mem:
-        users = [f"user{i}" for i in range(20)]  # 40 slabs (text and window keys)
+    for u in users:
+        mem.add([f"{u} likes tea", f"{u} rides a bike"], user_id=u, infer=False)
+    monkeypatch.setattr(Slab, "append", counting)
+    for _ in range(3):
         for u in users:
-            mem.add([f"{u} likes tea", f"{u} rides a bike"], user_id=u, infer=False)
-        monkeypatch.setattr(Slab, "append", counting)
-        for _ in range(3):
-            for u in users:
-                assert mem.search("tea", user_id=u, limit=1)[0].memory.text == f"{u} likes tea"
-    assert len(loads) == 2 * len(users)  # each scope's keys loaded once, not once per round
+            assert mem.search("tea", user_id=u, limit=1)[0].memory.text == f"{u} likes tea"
+    return len(loads)
+
+
+def test_many_small_scopes_searched_in_turn_stay_loaded(tmp_path: Path, embedder: MiniLM,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    users = [f"user{i}" for i in range(20)]  # 40 slabs (text and window keys)
+    with Memory(path=tmp_path / "m.db", embedder=embedder) as mem:
+        loads = _loads_searching_in_turn(mem, users, monkeypatch)
+    assert loads == 2 * len(users)  # each scope's keys loaded once, not once per round
 
 
 def test_many_small_scopes_stay_loaded_on_postgres(tmp_path: Path, embedder: MiniLM, pg_server: Any,
@@ -59,23 +65,11 @@ def test_many_small_scopes_stay_loaded_on_postgres(tmp_path: Path, embedder: Min
 
     name = pg_server.create_database()
     config = Config.from_env(database_url=pg_server.url(name), path=tmp_path / "unused.db")
-    loads: list[int] = []
-    append = Slab.append
-
-    def counting(self: Slab, seqs: list[int], *args: Any, **kwargs: Any) -> None:
-        loads.append(len(seqs))
-        append(self, seqs, *args, **kwargs)
-
+    users = [f"user{i}" for i in range(12)]  # 24 slabs: more than the 16 it used to keep
     try:
         with Memory(config=config, embedder=embedder) as mem:
-            users = [f"user{i}" for i in range(12)]  # 24 slabs: more than the 16 it used to keep
-            for u in users:
-                mem.add([f"{u} likes tea", f"{u} rides a bike"], user_id=u, infer=False)
-            monkeypatch.setattr(Slab, "append", counting)
-            for _ in range(3):
-                for u in users:
-                    assert mem.search("tea", user_id=u, limit=1)[0].memory.text == f"{u} likes tea"
-        assert len(loads) == 2 * len(users)
+            loads = _loads_searching_in_turn(mem, users, monkeypatch)
+        assert loads == 2 * len(users)
     finally:
         with pg_server.admin() as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

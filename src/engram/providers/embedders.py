@@ -95,6 +95,11 @@ class Batched:
     def _encode(self, texts: list[str]) -> np.ndarray:
         raise NotImplementedError
 
+    def forget(self) -> None:
+        """Drop the texts the LRU holds."""
+        with self._queue_lock:
+            self._cache.clear()
+
     def embed_batch(self, texts: Sequence[str]) -> np.ndarray:
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
@@ -475,8 +480,7 @@ def forget_texts(embedder: Embedder) -> None:
     found: Any = embedder
     while found is not None:
         if isinstance(found, Batched):
-            with found._queue_lock:
-                found._cache.clear()
+            found.forget()
         found = getattr(found, "inner", None)
 
 

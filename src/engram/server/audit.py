@@ -65,8 +65,6 @@ class Entry:
 
 
 class AuditLog(Protocol):
-    def record(self, entry: Entry) -> None: ...
-
     def record_many(self, entries: list[Entry]) -> None: ...
 
     def entries(self, *, tenant: str | None, all_tenants: bool = False, key_id: str | None = None,
@@ -105,9 +103,6 @@ class SQLiteAuditLog:
                          "status INTEGER NOT NULL, user_id TEXT, agent_id TEXT, session_id TEXT, "
                          "result_bytes INTEGER NOT NULL, duration_ms REAL NOT NULL)")
             conn.execute("CREATE INDEX IF NOT EXISTS audit_tenant ON audit(tenant, at)")
-
-    def record(self, entry: Entry) -> None:
-        self.record_many([entry])
 
     def record_many(self, entries: list[Entry]) -> None:
         rows = [[*asdict(e).values()] for e in entries]
@@ -150,9 +145,6 @@ class PostgresAuditLog:
                 self._ready = True
             with conn.cursor() as cur:
                 yield cur
-
-    def record(self, entry: Entry) -> None:
-        self.record_many([entry])
 
     def record_many(self, entries: list[Entry]) -> None:
         with self._cursor() as cur:
@@ -202,10 +194,6 @@ class GroupWriter:
                                                 daemon=True)
                 self._thread.start()
             self._cond.notify_all()
-
-    def record_many(self, entries: list[Entry]) -> None:
-        for entry in entries:
-            self.record(entry)
 
     def _run(self) -> None:
         while True:
@@ -276,7 +264,7 @@ def scope_of(query: bytes, body: bytes) -> dict[str, str | None]:
 class AuditMiddleware:
     """Records each call under /v1, /mcp and the console's /ui once its response is sent."""
 
-    def __init__(self, app: ASGIApp, log_: AuditLog) -> None:
+    def __init__(self, app: ASGIApp, log_: GroupWriter) -> None:
         self.app = app
         self.log = log_
 

@@ -187,13 +187,13 @@ class SQLiteStore(SQLStore):
                         # every row was just read, after `rows_version`: its attributes are
                         # at least that fresh (no second read of them all)
                         slab.rows_version = rows_version
+                    evict(self._slabs, self.cache_rows, key[:-1])  # only rows added can overflow
                 slab.version = version
             if not in_tx and slab.rows_version != rows_version:
                 slab.reset_attrs(self._read(*sql.key_attrs(scope, key_name, slab.max_seq, slab.rich)),
                                  self.dialect)
                 slab.rows_version = rows_version
             exact = not in_tx and slab.version == version and slab.rows_version == rows_version
-            evict(self._slabs, self.cache_rows, key[:-1])
             return slab, exact
 
     def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]:
