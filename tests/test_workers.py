@@ -183,3 +183,48 @@ def test_serve_with_workers_shares_data_and_limits(tmp_path: Path) -> None:
         proc.wait(timeout=60)
         log.close()
     assert proc.returncode == 0, (tmp_path / "serve.log").read_text()
+
+
+def test_side_tables_are_created_once_by_racing_processes(tmp_path: Path, pg_server: Any) -> None:
+    """Every process of a fresh service creates the keys, audit and rate-limit tables at its
+    first request; `CREATE TABLE IF NOT EXISTS` alone lets racing creators collide in the
+    catalog (a unique violation on pg_type, seen in CI), so they take the migration lock."""
+    import threading
+
+    import psycopg
+
+    from engram.server import audit, keys, ratelimit
+    from engram.store.postgres.schema import create_tables
+    from pg_server import PG
+
+    url = PG.database_for(tmp_path)
+    statements = [keys._PG_SCHEMA, ratelimit._PG_SCHEMA]
+    conns = [psycopg.connect(url, autocommit=True) for _ in range(6)]
+    start = threading.Barrier(len(conns))
+    errors: list[BaseException] = []
+
+    def create(conn: Any) -> None:
+        start.wait()
+        try:
+            with conn.transaction():
+                create_tables(conn, *statements)
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=create, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    try:
+        assert errors == []
+        names = {r[0] for r in conns[0].execute("SELECT tablename FROM pg_tables")}
+        assert {"engram_api_keys", "engram_rate_buckets"} <= names
+    finally:
+        for c in conns:
+            c.close()
+    log = audit.PostgresAuditLog(url)  # the audit log creates its table through the same helper
+    try:
+        assert log.entries(tenant=None, all_tenants=True) == []
+    finally:
+        log.close()

@@ -136,12 +136,14 @@ class PostgresAuditLog:
     def _cursor(self) -> Iterator[Any]:
         with self._pool.transaction() as conn:
             if not self._ready:
-                conn.execute("CREATE TABLE IF NOT EXISTS engram_audit (id TEXT PRIMARY KEY, "
-                             "at TIMESTAMPTZ NOT NULL, key_id TEXT, tenant TEXT, method TEXT NOT NULL, "
-                             "route TEXT NOT NULL, status INTEGER NOT NULL, user_id TEXT, "
-                             "agent_id TEXT, session_id TEXT, result_bytes BIGINT NOT NULL, "
-                             "duration_ms DOUBLE PRECISION NOT NULL)")
-                conn.execute("CREATE INDEX IF NOT EXISTS engram_audit_tenant ON engram_audit(tenant, at)")
+                from ..store.postgres.schema import create_tables
+
+                create_tables(conn, "CREATE TABLE IF NOT EXISTS engram_audit (id TEXT PRIMARY KEY, "
+                              "at TIMESTAMPTZ NOT NULL, key_id TEXT, tenant TEXT, method TEXT NOT NULL, "
+                              "route TEXT NOT NULL, status INTEGER NOT NULL, user_id TEXT, "
+                              "agent_id TEXT, session_id TEXT, result_bytes BIGINT NOT NULL, "
+                              "duration_ms DOUBLE PRECISION NOT NULL)",
+                              "CREATE INDEX IF NOT EXISTS engram_audit_tenant ON engram_audit(tenant, at)")
                 self._ready = True
             with conn.cursor() as cur:
                 yield cur

@@ -217,7 +217,9 @@ class PostgresKeyStore:
     def _cursor(self) -> Iterator[Any]:
         with self._pool.transaction() as conn:
             if not self._schema_ready:
-                conn.execute(_PG_SCHEMA)
+                from ..store.postgres.schema import create_tables
+
+                create_tables(conn, _PG_SCHEMA)
                 self._schema_ready = True
             with conn.cursor() as cur:
                 yield cur

@@ -212,12 +212,14 @@ def sqlite_rate_limiter(path: Path, rate: float, burst: int) -> SharedRateLimite
 
 def postgres_rate_limiter(pool: Pool, rate: float, burst: int) -> SharedRateLimiter:
     """Buckets in a table of the shared PostgreSQL database (one round trip per take)."""
+    from ..store.postgres.schema import create_tables
+
     ready = threading.Event()
 
     def run(stmt: str, params: Sequence[Any]) -> list[Any]:
         with pool.transaction() as c:
             if not ready.is_set():
-                c.execute(_PG_SCHEMA)
+                create_tables(c, _PG_SCHEMA)
                 ready.set()
             cur = c.execute(stmt, params)
             return cur.fetchall() if cur.description is not None else []

@@ -149,6 +149,10 @@ class _Database:
     def run(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         raise NotImplementedError
 
+    def create(self, statements: list[str]) -> None:
+        for statement in statements:
+            self.run(statement)
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -196,6 +200,11 @@ class _Postgres(_Database):
         with self.lock, self.conn.transaction():
             yield
 
+    def create(self, statements: list[str]) -> None:
+        from ...store.postgres.schema import create_tables  # concurrent creators would collide
+
+        create_tables(self.conn, *statements)
+
     def run(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         cur = self.conn.execute(sql.replace("?", "%s"), tuple(params))
         return [tuple(r) for r in cur.fetchall()] if cur.description else []
@@ -219,8 +228,7 @@ class EngramSaver(BaseCheckpointSaver[str]):
         self.db: _Database = (_Postgres(cfg.database_url, cfg.pg_connect_timeout_s)
                               if cfg.database_url else _SQLite(cfg.path, cfg.busy_timeout_s))
         with self.db.transaction():
-            for statement in schema(self.db.dialect):
-                self.db.run(statement)
+            self.db.create(schema(self.db.dialect))
 
     def close(self) -> None:
         self.db.close()

@@ -368,6 +368,16 @@ MIGRATIONS_TABLE = f"""CREATE TABLE IF NOT EXISTS schema_migrations (
     name {TEXT} PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"""
 
 
+def create_tables(conn: Connection, *statements: str) -> None:
+    """Run `CREATE ... IF NOT EXISTS` statements of a side table (keys, audit, rate limits,
+    checkpoints) under the migration lock: two processes creating the same table at once
+    otherwise collide in PostgreSQL's catalog (a unique violation on `pg_type`), as
+    `IF NOT EXISTS` only checks before it inserts."""
+    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
+    for stmt in statements:
+        conn.execute(stmt)
+
+
 def hnsw_index_name(dim: int) -> str:
     return f"memory_keys_hnsw_{int(dim)}"
 
