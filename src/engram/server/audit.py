@@ -136,7 +136,7 @@ class PostgresAuditLog:
     def _cursor(self) -> Iterator[Any]:
         with self._pool.transaction() as conn:
             if not self._ready:
-                from ..store.postgres.schema import create_tables
+                from ..store.postgres import create_tables
 
                 create_tables(conn, "CREATE TABLE IF NOT EXISTS engram_audit (id TEXT PRIMARY KEY, "
                               "at TIMESTAMPTZ NOT NULL, key_id TEXT, tenant TEXT, method TEXT NOT NULL, "

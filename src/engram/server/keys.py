@@ -217,7 +217,7 @@ class PostgresKeyStore:
     def _cursor(self) -> Iterator[Any]:
         with self._pool.transaction() as conn:
             if not self._schema_ready:
-                from ..store.postgres.schema import create_tables
+                from ..store.postgres import create_tables
 
                 create_tables(conn, _PG_SCHEMA)
                 self._schema_ready = True

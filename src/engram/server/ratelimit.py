@@ -212,7 +212,7 @@ def sqlite_rate_limiter(path: Path, rate: float, burst: int) -> SharedRateLimite
 
 def postgres_rate_limiter(pool: Pool, rate: float, burst: int) -> SharedRateLimiter:
     """Buckets in a table of the shared PostgreSQL database (one round trip per take)."""
-    from ..store.postgres.schema import create_tables
+    from ..store.postgres import create_tables
 
     ready = threading.Event()
 

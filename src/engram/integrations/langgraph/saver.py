@@ -201,9 +201,9 @@ class _Postgres(_Database):
             yield
 
     def create(self, statements: list[str]) -> None:
-        from ...store.postgres.schema import create_tables  # concurrent creators would collide
-
-        create_tables(self.conn, *statements)
+        # One creator at a time: racing `CREATE TABLE IF NOT EXISTS` collide in pg_type.
+        self.run("SELECT pg_advisory_xact_lock(hashtext('engram.langgraph'))")
+        super().create(statements)
 
     def run(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         cur = self.conn.execute(sql.replace("?", "%s"), tuple(params))

@@ -4,6 +4,7 @@ and `store` (the `Store`). Importing it imports psycopg."""
 
 from . import schema, sql
 from .pool import Pool, translate
+from .schema import create_tables
 from .store import PostgresStore
 
-__all__ = ["Pool", "PostgresStore", "schema", "sql", "translate"]
+__all__ = ["Pool", "PostgresStore", "create_tables", "schema", "sql", "translate"]
