@@ -60,7 +60,7 @@ class Config:
     max_memories_per_scope: int | None = None  # capacity; None means unbounded
     busy_timeout_s: float = 30.0            # how long a writer waits for another's lock
     ann_threshold: int = 20_000             # a scope of up to this many keys is searched in process, exactly
-    lexicon_threshold: int = 20_000         # SQLite: lexical search in memory above this many FTS rows
+    lexicon_threshold: int = 0              # SQLite: lexical search in memory above this many FTS rows
     cache_rows: int = 2_000_000             # keys the dense cache holds over all searched scopes
     log_level: str | None = None            # None leaves `engram` logging unconfigured
     llm: str = "openai"                     # name of a registered LLM provider (providers.llms)

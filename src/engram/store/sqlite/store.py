@@ -41,7 +41,7 @@ class SQLiteStore(SQLStore):
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0,
                  key: str | None = None, ann_threshold: int = 20_000,
-                 lexicon_threshold: int = 20_000, lexicon_log: int = lexicon.LOG_KEEP,
+                 lexicon_threshold: int = 0, lexicon_log: int = lexicon.LOG_KEEP,
                  cache_rows: int = 2_000_000) -> None:
         """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
         scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
