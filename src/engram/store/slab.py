@@ -5,6 +5,7 @@ Each store follows its database into it (sqlite/store.py, postgres/store.py)."""
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ import numpy as np
 
 from ..model import Kind
 from .base import Candidate, Query, Seen
+from .cachefile import pack, unpack
 from .records import CANDIDATE_COLUMNS, Dialect, read_candidates, time_bounds
 
 if TYPE_CHECKING:
@@ -69,6 +71,10 @@ class Slab:
         self.version = -1
         self.rows_version = -1  # the rows_version the attributes are exact for; -1: unknown
         self.tomb_max = -1      # the last tombstone applied; -1: not read yet
+        self.erasures = -1      # the database's erasure count when it was last exact
+        self.saved_n = 0        # its rows when last saved to (or loaded from) a file
+        self.changes = 0        # counts the changes to its rows (added, killed, attributes)
+        self.ann_at = -1        # `changes` when `ann` was last brought up to date
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self.seqs))
@@ -81,6 +87,7 @@ class Slab:
         """Add rows in seq order; `attrs` holds (kind, expires_at, valid_from, valid_to) each,
         followed in a rich slab by the CANDIDATE_COLUMNS (read with dialect `d`)."""
         need = self.n + len(seqs)
+        self.changes += 1
         if need > len(self.seqs):
             self._grow(need)
         self.mat[self.n:need] = unit(vecs)
@@ -140,6 +147,7 @@ class Slab:
         text cleared (the key may have been erased)."""
         pos, held = self.rows_of(seqs)
         rows = pos[held]
+        self.changes += 1
         self.alive[rows] = False
         self.mat[rows] = 0.0
         if self.rich:
@@ -151,6 +159,7 @@ class Slab:
         and in a rich slab the CANDIDATE_COLUMNS) of the keys whose memory is in scope and not
         deleted; the others are not ok."""
         self.ok[:self.n] = False
+        self.changes += 1
         if not rows:
             return
         pos, held = self.rows_of([r[0] for r in rows])
@@ -195,6 +204,86 @@ class Slab:
         first.sort()
         kept: np.ndarray = rows[first]
         return kept
+
+    # -- its file (the SQLite store saves a large slab beside the database) ------------------
+
+    def state(self, d: Dialect) -> tuple[dict[str, Any], list[np.ndarray]] | None:
+        """The slab as numbers and arrays (`restore` makes it again); None when a string holds
+        a NUL (it is not saved). A dead row's memory id is left out, as its vector and text."""
+        n = self.n
+        alive = self.alive[:n]
+        ids = pack([m if a else "" for m, a in zip(self.memory_ids, alive.tolist(), strict=True)])
+        if ids is None:
+            return None
+        head = {"n": n, "dim": int(self.mat.shape[1]), "rich": self.rich,
+                "max_seq": self.max_seq, "version": self.version,
+                "rows_version": self.rows_version, "tomb_max": self.tomb_max}
+        # copies, but of the vectors: a later `kill` zeroes rows in place (and is applied
+        # again from the tombstones after `tomb_max`), while the rest may change otherwise
+        arrays = [self.mat[:n], self.seqs[:n].copy(), alive.copy(), self.ok[:n].copy(),
+                  self.kind[:n].copy(), *(getattr(self, t)[:n].copy() for t in TIMES),
+                  self.codes[:n].copy(), ids]
+        if self.rich:
+            cands = [c if a else None for c, a in zip(self.cands, alive.tolist(), strict=True)]
+            held = [c for c in cands if c is not None]
+            texts: list[list[str | None]] = [[c.scope.user_id for c in held],
+                                             [c.scope.agent_id for c in held],
+                                             [c.scope.session_id for c in held],
+                                             [c.name for c in held], [c.text for c in held]]
+            for col in texts:
+                packed = pack([v or "" for v in col])
+                if packed is None:
+                    return None
+                arrays += [packed, np.array([v is None for v in col], dtype=bool)]
+            arrays += [np.array([c is not None for c in cands], dtype=bool),
+                       np.array([np.nan if c.observed_at is None else d.time(c.observed_at)
+                                 for c in held], dtype=np.float64),
+                       np.array([d.time(c.created_at) for c in held], dtype=np.float64),
+                       np.array([c.importance for c in held], dtype=np.float64)]
+        return head, arrays
+
+    @classmethod
+    def restore(cls, head: dict[str, Any], arrays: Sequence[np.ndarray], d: Dialect) -> Slab:
+        """The slab `state` gave (raises ValueError, KeyError or TypeError if it is not one)."""
+        n, dim, rich = int(head["n"]), int(head["dim"]), bool(head["rich"])
+        slab = cls(dim, rich=rich)
+        mat, seqs, alive, ok, kind, *times, codes, ids = arrays[:11]
+        if mat.shape != (n, dim) or any(len(a) != n for a in (seqs, alive, ok, kind, codes)):
+            raise ValueError("the arrays do not match the header")
+        slab._grow(max(n, 1))
+        slab.mat[:n] = mat
+        for name, a in zip(("seqs", "alive", "ok", "kind", *TIMES, "codes"),
+                           (seqs, alive, ok, kind, *times, codes), strict=True):
+            getattr(slab, name)[:n] = a
+        slab.memory_ids = unpack(ids, n)
+        if len(slab.memory_ids) != n:
+            raise ValueError("the ids do not match the header")
+        slab._code = {mid: c for mid, c in zip(slab.memory_ids, codes.tolist(), strict=True) if mid}
+        slab.n = n
+        slab.max_seq, slab.version = int(head["max_seq"]), int(head["version"])
+        slab.rows_version, slab.tomb_max = int(head["rows_version"]), int(head["tomb_max"])
+        if rich:
+            rest = arrays[11:]
+            held = rest[10]
+            if len(held) != n:
+                raise ValueError("the candidates do not match the header")
+            m = int(held.sum())
+            cols = []
+            for j in range(5):
+                values = unpack(rest[2 * j], m) if m else []
+                none = rest[2 * j + 1].tolist()
+                cols.append([None if z else v for v, z in zip(values, none, strict=True)])
+            observed = [None if math.isnan(t) else t for t in rest[11].tolist()]
+            at = np.flatnonzero(held)
+            mids = [slab.memory_ids[i] for i in at.tolist()]
+            rows = zip(mids, *cols, observed, rest[12].tolist(), rest[13].tolist(), strict=True)
+            out: dict[str, Candidate] = {}
+            read_candidates(d, rows, out)
+            slab.cands = [None] * n
+            for i, mid in zip(at.tolist(), mids, strict=True):
+                slab.cands[i] = out[mid]
+            slab.row_of = {mid: i for i, mid in enumerate(slab.memory_ids) if mid}
+        return slab
 
     def live_rows(self) -> np.ndarray:
         """Rows whose key and memory exist (whatever the time and kind)."""

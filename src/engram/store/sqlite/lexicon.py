@@ -37,13 +37,9 @@ erasure), whose position the log cannot reach, or whose checksum fails is never 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import sqlite3
-import threading
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +47,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import cachefile
 from ..bm25 import K1, MIN_IDF, TOKENIZE, B, Tokenizer
+from ..cachefile import pack, unpack
 
 Doc = tuple[int, str, str, str, str]  # (rid, memory id, body, context, owner) of a memory_fts row
 MAX_SEGMENTS = 8
@@ -60,7 +58,6 @@ BATCH = 20_000       # documents tokenised at once while building
 LOG_KEEP = 100_000   # lex_log entries kept (then the older half goes): `prune_log`
 MAGIC = b"engram-lexicon\n\x00"  # the first 16 bytes of a saved index
 FORMAT = 1
-ALIGN = 8
 
 log = logging.getLogger("engram.store")
 
@@ -85,18 +82,6 @@ def prune_log(conn: sqlite3.Connection, keep: int) -> None:
         cut = top - keep // 2
         conn.execute("DELETE FROM lex_log WHERE id <= ?", (cut,))
         conn.execute("UPDATE meta SET value = ? WHERE name = 'lex_horizon'", (cut,))
-
-
-def _pack(strings: Sequence[str]) -> np.ndarray | None:
-    """Strings as one NUL-separated UTF-8 array; None if one holds a NUL itself."""
-    blob = "\0".join(strings)
-    if blob.count("\0") != max(len(strings) - 1, 0):
-        return None
-    return np.frombuffer(blob.encode(), dtype=np.uint8)
-
-
-def _unpack(arr: np.ndarray, n: int) -> list[str]:
-    return arr.tobytes().decode().split("\0") if n else []
 
 
 def pair_key(a: Any, b: Any) -> Any:
@@ -278,91 +263,41 @@ class Lexicon:
 
     # -- its file ------------------------------------------------------------------------------
 
-    def _arrays(self) -> list[np.ndarray] | None:
+    def state(self) -> tuple[dict[str, Any], list[np.ndarray]] | None:
+        """The index as a header and arrays (`write` saves them; the arrays are copies where
+        later changes rewrite them in place); None if it cannot be saved (a NUL in an id)."""
         n = self.n
-        terms, ids = _pack(list(self.vocab)), _pack(self.ids)
+        terms, ids = pack(list(self.vocab)), pack(self.ids)
         if terms is None or ids is None:
-            return None
-        out = [a for s in self.segments for a in (s.keys, s.starts, s.docs, s.body, s.context)]
-        return [*out, self.rids[:n], self.lens[:n], self.alive[:n], terms, ids]
-
-    def write(self, path: Path, token: int) -> Path | None:
-        """Write the index to a temporary file beside `path` (the caller renames it into place,
-        under the database's write lock); None if it cannot be saved (a NUL in an id)."""
-        arrays = self._arrays()
-        if arrays is None:
             log.warning("the lexical index is not saved: an id holds a NUL character")
             return None
-        layout, at = [], 0
-        for a in arrays:
-            layout.append([a.dtype.str, list(a.shape), at])
-            at += -(-a.nbytes // ALIGN) * ALIGN
-        header = json.dumps({
-            "format": FORMAT, "tokenize": TOKENIZE, "token": token, "version": self.version,
-            "erasures": self.erasures, "n": self.n, "count": self.count, "total": self.total,
-            "terms": len(self.vocab), "segments": len(self.segments), "arrays": layout,
-        }).encode()
-        head = MAGIC + len(header).to_bytes(8, "little") + header
-        head += b"\0" * (-len(head) % ALIGN)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
-        try:
-            with open(tmp, "wb") as f:
-                crc = zlib.crc32(head)
-                f.write(head)
-                for a in arrays:
-                    data = np.ascontiguousarray(a).data.cast("B")
-                    pad = b"\0" * (-len(data) % ALIGN)
-                    crc = zlib.crc32(pad, zlib.crc32(data, crc))
-                    f.write(data)
-                    f.write(pad)
-                f.write(crc.to_bytes(4, "little"))
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return tmp
+        out = [a for s in self.segments for a in (s.keys, s.starts, s.docs, s.body, s.context)]
+        return {"format": FORMAT, "tokenize": TOKENIZE, "version": self.version,
+                "erasures": self.erasures, "n": n, "count": self.count, "total": self.total,
+                "terms": len(self.vocab), "segments": len(self.segments)}, \
+            [*out, self.rids[:n].copy(), self.lens[:n].copy(), self.alive[:n].copy(), terms, ids]
+
+    @staticmethod
+    def write(path: Path, token: int, state: tuple[dict[str, Any], list[np.ndarray]]) -> Path:
+        """Write a `state` to a temporary file beside `path` (the caller renames it into
+        place, under the database's write lock)."""
+        head, arrays = state
+        return cachefile.write(path, MAGIC, {**head, "token": token}, arrays)
 
     @classmethod
     def load(cls, path: Path, token: int) -> Lexicon | None:
         """The index saved at `path` if its header names `token` and its checksum holds; None
         otherwise (no file, another save's, torn, corrupt or of another format)."""
+        found = cachefile.read(path, MAGIC, token, {"format": FORMAT, "tokenize": TOKENIZE})
+        if found is None:
+            return None
+        head, arrays = found
         try:
-            with open(path, "rb") as f:
-                start = f.read(len(MAGIC) + 8)
-                if len(start) < len(MAGIC) + 8 or start[:len(MAGIC)] != MAGIC:
-                    raise ValueError("not a lexicon file")
-                size = int.from_bytes(start[len(MAGIC):], "little")
-                if size > 1 << 26:
-                    raise ValueError("header too long")
-                raw = f.read(size)
-                head = json.loads(raw)
-                if head.get("token") != token:
-                    return None  # another save's (or another database's): not this one
-                if head.get("format") != FORMAT or head.get("tokenize") != TOKENIZE:
-                    raise ValueError("another format")
-                f.read(-(len(start) + size) % ALIGN)
-                body = bytearray(os.fstat(f.fileno()).st_size - f.tell())
-                f.readinto(body)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
-            log.warning("ignoring the unreadable lexical index %s: %s", path, exc)
-            return None
-        pre = start + raw + b"\0" * (-(len(start) + size) % ALIGN)
-        if len(body) < 4 or zlib.crc32(memoryview(body)[:-4], zlib.crc32(pre)) != \
-                int.from_bytes(body[-4:], "little"):
-            log.warning("ignoring the lexical index %s: its checksum fails", path)
-            return None
-        try:
-            arrays = [np.frombuffer(body, dtype=np.dtype(dt), count=math.prod(shape),
-                                    offset=at).reshape(shape) for dt, shape, at in head["arrays"]]
             *segs, rids, lens, alive, terms, ids = arrays
             lex = cls()
             lex.segments = [Segment(*segs[i:i + 5]) for i in range(0, len(segs), 5)]
-            lex.vocab = {t: i for i, t in enumerate(_unpack(terms, head["terms"]))}
-            lex.ids = _unpack(ids, head["n"])
+            lex.vocab = {t: i for i, t in enumerate(unpack(terms, head["terms"]))}
+            lex.ids = unpack(ids, head["n"])
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
             log.warning("ignoring the malformed lexical index %s: %s", path, exc)
             return None
