@@ -247,7 +247,7 @@ class Slab:
         """The slab `state` gave (raises ValueError, KeyError or TypeError if it is not one)."""
         n, dim, rich = int(head["n"]), int(head["dim"]), bool(head["rich"])
         slab = cls(dim, rich=rich)
-        mat, seqs, alive, ok, kind, *times, codes, ids = arrays[:11]
+        mat, seqs, alive, ok, kind, *times, codes, ids = arrays[:10]
         if mat.shape != (n, dim) or any(len(a) != n for a in (seqs, alive, ok, kind, codes)):
             raise ValueError("the arrays do not match the header")
         slab._grow(max(n, 1))
@@ -263,7 +263,7 @@ class Slab:
         slab.max_seq, slab.version = int(head["max_seq"]), int(head["version"])
         slab.rows_version, slab.tomb_max = int(head["rows_version"]), int(head["tomb_max"])
         if rich:
-            rest = arrays[11:]
+            rest = arrays[10:]
             held = rest[10]
             if len(held) != n:
                 raise ValueError("the candidates do not match the header")
