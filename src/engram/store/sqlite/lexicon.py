@@ -159,7 +159,12 @@ class Lexicon:
         self.version = -1   # the last lex_log id applied; -1: not built
         self.erasures = 0   # meta.erasures when built: an erasure since drops it (its words)
         self.saved = -1     # the version last saved to (or loaded from) its file
-        self._scopes: dict[tuple[str, ...], tuple[int, np.ndarray]] = {}
+        self._scopes: dict[tuple[str, ...], tuple[tuple[int, int], np.ndarray | None]] = {}
+        # per document, BM25's length normalisation (as of `count` and `total`), and the
+        # score and hit buffers of a search (zero and False between searches)
+        self._norm: tuple[tuple[int, float, int], np.ndarray] | None = None
+        self._score = np.zeros(0)
+        self._hit = np.zeros(0, dtype=bool)
 
     def close(self) -> None:
         self._fts.close()
@@ -333,6 +338,8 @@ class Lexicon:
             return empty.astype(np.int32), empty, empty
         docs, body, ctx = (np.concatenate(x) for x in zip(*found, strict=True)) \
             if len(found) > 1 else found[0]
+        if self.count == self.n:
+            return docs, body, ctx  # no dead document (a fresh index): no filtering
         live = self.alive[docs]
         return docs[live], body[live], ctx[live]
 
@@ -342,7 +349,7 @@ class Lexicon:
             return None
         key = tuple(owners)
         hit = self._scopes.get(key)
-        if hit is not None and hit[0] == self.n:
+        if hit is not None and hit[0] == (self.n, self.count):
             return hit[1]
         mask = np.zeros(self.n, dtype=bool)
         first = True
@@ -357,7 +364,10 @@ class Lexicon:
             first = False
         if len(self._scopes) > 16:
             self._scopes.clear()
-        self._scopes[key] = (self.n, mask)
+        # a scope holding every live document (one tenant) filters nothing: no mask at all
+        everything = int(np.count_nonzero(mask & self.alive[:self.n])) == self.count
+        self._scopes[key] = ((self.n, self.count), None if everything else mask)
+        return None if everything else mask
         return mask
 
     def scores(self, terms: Sequence[str], owners: Sequence[str],
@@ -374,11 +384,13 @@ class Lexicon:
         if not phrases or not self.count:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         scope = self.in_scope(owners)
-        n_rows, avgdl = self.count, self.total / self.count
+        n_rows = self.count
+        norms = self._norms()
+        if len(self._score) < self.n:
+            self._score, self._hit = np.zeros(self.n), np.zeros(self.n, dtype=bool)
         # one slot per document: a phrase's postings hold each document once, so a scatter
         # adds each phrase's term to each score in query order, as FTS5 sums them
-        score = np.zeros(self.n)
-        hit = np.zeros(self.n, dtype=bool)
+        score, hit = self._score, self._hit
         for p in phrases:
             key = self._phrase_key(p)
             docs, body, ctx = self._postings(key if key is not None else -1)
@@ -388,12 +400,25 @@ class Lexicon:
             if scope is not None:
                 keep = scope[docs]
                 docs, body, ctx = docs[keep], body[keep], ctx[keep]
-            f = body.astype(np.float64) + ctx.astype(np.float64) * previous_weight
-            norm = K1 * (1 - B + B * self.lens[docs] / avgdl)
-            score[docs] += idf * ((f * (K1 + 1.0)) / (f + norm))
+            f = body.astype(np.float64)
+            if previous_weight:
+                f += ctx.astype(np.float64) * previous_weight
+            score[docs] += idf * ((f * (K1 + 1.0)) / (f + norms[docs]))
             hit[docs] = True
         docs = np.flatnonzero(hit)
-        return docs, score[docs]
+        out = score[docs]
+        score[docs] = 0.0
+        hit[docs] = False
+        return docs, out
+
+    def _norms(self) -> np.ndarray:
+        """Each document's `K1 * (1 - B + B * len / avgdl)`, computed once per change of the
+        index (the same operations, in the same order, as per posting)."""
+        at = (self.count, self.total, self.n)
+        if self._norm is None or self._norm[0] != at:
+            avgdl = self.total / self.count
+            self._norm = at, K1 * (1 - B + B * self.lens[:self.n] / avgdl)
+        return self._norm[1]
 
     def search(self, terms: Sequence[str], owners: Sequence[str], k: int, previous_weight: float,
                visible: Callable[[list[str]], set[str]],
