@@ -43,9 +43,17 @@ thousands of memories in the searched scope.
 Search latency is `Memory.search(question, user_id=<searched scope>, limit=10)` with the
 default preset, query embedding included, each query text distinct (never repeated, so no
 cache can help), after a few warm-up queries (the first one builds the in-process vector
-cache; its time is reported separately as `first ms`). A per-stage breakdown (mean ms:
+cache, or, once saved, loads it from `<file>.slabs/`; its time is reported separately as
+`first ms`). A per-stage breakdown (mean ms:
 embedding, dense per key, lexical, candidates, get, touch, and the rest = fuse + rank) is
-printed too, measured by wrapping the store and embedder methods of the real call.
+printed too, measured by wrapping the store and embedder methods of the real call, with
+the process's CPU time per query (all its threads: on a shared machine wall time is inflated
+by other processes, CPU much less).
+
+Only the search of an existing database, e.g. the 1M one-scope one kept by an earlier run
+(`--reuse --keep`: without `--keep` the database is deleted afterwards):
+
+    python bench/scale.py --sizes 1000000 --one-scope --ingest 0 --reuse --keep --queries 100
 """
 
 from __future__ import annotations

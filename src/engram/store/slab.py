@@ -65,6 +65,11 @@ class Slab:
         self.ann: Ann | None = None  # the HNSW index over these rows, at large scopes
         self.rich = rich
         self.cands: list[Candidate | None] = []  # per row, when rich
+        # restored from a file: the CANDIDATE_COLUMNS (but the id) as stored, one list per
+        # column, and each row's place in them (-1: none, or built into `cands` since)
+        self.cold: list[list[Any]] | None = None
+        self.cold_at = np.zeros(0, dtype=np.int64)
+        self.dialect: Dialect | None = None
         self.row_of: dict[str, int] = {}          # memory id -> its latest row, when rich
         self.n = 0
         self.max_seq = 0
@@ -101,6 +106,8 @@ class Slab:
         self.codes[self.n:need] = [code.setdefault(mid, len(code)) for mid in mids]
         if self.rich:
             self.cands.extend(self._candidates(attrs, d) if attrs else [None] * len(mids))
+            if self.cold is not None:
+                self.cold_at = np.concatenate([self.cold_at, np.full(len(mids), -1, np.int64)])
             for i, mid in enumerate(mids, start=self.n):
                 self.row_of[mid] = i
         self.n = need
@@ -119,14 +126,26 @@ class Slab:
         """The cached `Candidate` of each id, and the ids it does not hold."""
         found: dict[str, Candidate] = {}
         missing: list[str] = []
+        cold: list[tuple[str, int]] = []
         row_of, cands = self.row_of, self.cands
         for mid in ids:
             i = row_of.get(mid)
             c = cands[i] if i is not None else None
-            if c is None:
-                missing.append(mid)
-            else:
+            if c is not None:
                 found[mid] = c
+            elif i is not None and self.cold is not None and self.cold_at[i] >= 0:
+                cold.append((mid, i))
+            else:
+                missing.append(mid)
+        if cold:  # restored from a file: built now, once
+            assert self.dialect is not None and self.cold is not None
+            at = self.cold_at[[i for _, i in cold]].tolist()
+            read_candidates(self.dialect, zip([mid for mid, _ in cold],
+                                              *([col[j] for j in at] for col in self.cold),
+                                              strict=True), found)
+            for mid, i in cold:
+                cands[i] = found[mid]
+            self.cold_at[[i for _, i in cold]] = -1
         return found, missing
 
     def _set_attrs(self, idx: np.ndarray, attrs: Sequence[Sequence[Any]]) -> None:
@@ -153,6 +172,8 @@ class Slab:
         if self.rich:
             for i in rows.tolist():
                 self.cands[i] = None
+            if self.cold is not None:
+                self.cold_at[rows] = -1
 
     def reset_attrs(self, rows: Sequence[Sequence[Any]], d: Dialect | None = None) -> None:
         """Replace every row's attributes: `rows` are (seq, kind, expires, valid_from, valid_to,
@@ -170,6 +191,8 @@ class Slab:
         if self.rich:
             for i, c in zip(idx.tolist(), self._candidates(attrs, d), strict=True):
                 self.cands[i] = c
+            if self.cold is not None:
+                self.cold_at[idx] = -1
 
     def visible(self, query: Query, rows: np.ndarray | None = None) -> np.ndarray:
         """Rows `query` may see (of all rows, or of `rows`), except for its metadata
@@ -224,37 +247,52 @@ class Slab:
                   self.kind[:n].copy(), *(getattr(self, t)[:n].copy() for t in TIMES),
                   self.codes[:n].copy(), ids]
         if self.rich:
-            cands = [c if a else None for c, a in zip(self.cands, alive.tolist(), strict=True)]
-            held = [c for c in cands if c is not None]
-            texts: list[list[str | None]] = [[c.scope.user_id for c in held],
-                                             [c.scope.agent_id for c in held],
-                                             [c.scope.session_id for c in held],
-                                             [c.name for c in held], [c.text for c in held]]
-            for col in texts:
+            held = np.zeros(n, dtype=bool)
+            rows: list[tuple[Any, ...]] = []  # the CANDIDATE_COLUMNS but the id, as stored
+            for i in np.flatnonzero(alive).tolist():
+                raw = self._raw(i, d)
+                if raw is not None:
+                    held[i] = True
+                    rows.append(raw)
+            cols = list(zip(*rows, strict=True)) if rows else [()] * 8
+            for col in cols[:5]:  # user, agent and session ids, name, text
                 packed = pack([v or "" for v in col])
                 if packed is None:
                     return None
                 arrays += [packed, np.array([v is None for v in col], dtype=bool)]
-            arrays += [np.array([c is not None for c in cands], dtype=bool),
-                       np.array([np.nan if c.observed_at is None else d.time(c.observed_at)
-                                 for c in held], dtype=np.float64),
-                       np.array([d.time(c.created_at) for c in held], dtype=np.float64),
-                       np.array([c.importance for c in held], dtype=np.float64)]
+            arrays += [held, np.array([np.nan if v is None else v for v in cols[5]], dtype=np.float64),
+                       np.array(cols[6], dtype=np.float64), np.array(cols[7], dtype=np.float64)]
         return head, arrays
+
+    def _raw(self, i: int, d: Dialect) -> tuple[Any, ...] | None:
+        """Row `i`'s CANDIDATE_COLUMNS but the id, as the table holds them (None: none held)."""
+        c = self.cands[i]
+        if c is not None:
+            s = c.scope
+            return (s.user_id, s.agent_id, s.session_id, c.name, c.text,
+                    d.opt_time(c.observed_at), d.time(c.created_at), c.importance)
+        if self.cold is not None and self.cold_at[i] >= 0:
+            j = int(self.cold_at[i])
+            return tuple(col[j] for col in self.cold)
+        return None
 
     @classmethod
     def restore(cls, head: dict[str, Any], arrays: Sequence[np.ndarray], d: Dialect) -> Slab:
-        """The slab `state` gave (raises ValueError, KeyError or TypeError if it is not one)."""
+        """The slab `state` gave (raises ValueError, KeyError or TypeError if it is not one).
+        Its arrays are used as they are (writable views of the file's bytes, no copy); the
+        candidates stay raw columns (`cold`) until a search asks for them."""
         n, dim, rich = int(head["n"]), int(head["dim"]), bool(head["rich"])
         slab = cls(dim, rich=rich)
         mat, seqs, alive, ok, kind, *times, codes, ids = arrays[:10]
-        if mat.shape != (n, dim) or any(len(a) != n for a in (seqs, alive, ok, kind, codes)):
+        if n < 1 or mat.shape != (n, dim) or \
+                any(a.shape != (n,) for a in (seqs, alive, ok, kind, *times, codes)):
             raise ValueError("the arrays do not match the header")
-        slab._grow(max(n, 1))
-        slab.mat[:n] = mat
+        slab.mat = mat
         for name, a in zip(("seqs", "alive", "ok", "kind", *TIMES, "codes"),
                            (seqs, alive, ok, kind, *times, codes), strict=True):
-            getattr(slab, name)[:n] = a
+            if a.dtype != getattr(slab, name).dtype:
+                raise ValueError(f"{name} is not of its type")
+            setattr(slab, name, a)
         slab.memory_ids = unpack(ids, n)
         if len(slab.memory_ids) != n:
             raise ValueError("the ids do not match the header")
@@ -265,23 +303,22 @@ class Slab:
         if rich:
             rest = arrays[10:]
             held = rest[10]
-            if len(held) != n:
+            if held.shape != (n,):
                 raise ValueError("the candidates do not match the header")
             m = int(held.sum())
-            cols = []
+            cold: list[list[Any]] = []
             for j in range(5):
                 values = unpack(rest[2 * j], m) if m else []
                 none = rest[2 * j + 1].tolist()
-                cols.append([None if z else v for v, z in zip(values, none, strict=True)])
-            observed = [None if math.isnan(t) else t for t in rest[11].tolist()]
-            at = np.flatnonzero(held)
-            mids = [slab.memory_ids[i] for i in at.tolist()]
-            rows = zip(mids, *cols, observed, rest[12].tolist(), rest[13].tolist(), strict=True)
-            out: dict[str, Candidate] = {}
-            read_candidates(d, rows, out)
+                cold.append([None if z else v for v, z in zip(values, none, strict=True)])
+            cold.append([None if math.isnan(t) else t for t in rest[11].tolist()])
+            cold += [rest[12].tolist(), rest[13].tolist()]
+            if any(len(col) != m for col in cold):
+                raise ValueError("the candidates do not match the header")
+            slab.cold, slab.dialect = cold, d
+            slab.cold_at = np.full(n, -1, dtype=np.int64)
+            slab.cold_at[held] = np.arange(m)
             slab.cands = [None] * n
-            for i, mid in zip(at.tolist(), mids, strict=True):
-                slab.cands[i] = out[mid]
             slab.row_of = {mid: i for i, mid in enumerate(slab.memory_ids) if mid}
         return slab
 
