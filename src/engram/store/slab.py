@@ -137,16 +137,36 @@ class Slab:
                 cold.append((mid, i))
             else:
                 missing.append(mid)
-        if cold:  # restored from a file: built now, once
-            assert self.dialect is not None and self.cold is not None
-            at = self.cold_at[[i for _, i in cold]].tolist()
-            read_candidates(self.dialect, zip([mid for mid, _ in cold],
-                                              *([col[j] for j in at] for col in self.cold),
-                                              strict=True), found)
+        if cold:  # restored from a file and not built yet: built now
+            self._build([i for _, i in cold])
             for mid, i in cold:
-                cands[i] = found[mid]
-            self.cold_at[[i for _, i in cold]] = -1
+                found[mid] = cands[i]  # type: ignore[assignment]
         return found, missing
+
+    def _build(self, rows: Sequence[int]) -> None:
+        """The `Candidate` of rows still held as read from a file (`cold`)."""
+        assert self.dialect is not None and self.cold is not None
+        at = self.cold_at[list(rows)].tolist()
+        mids = [self.memory_ids[i] for i in rows]
+        out: dict[str, Candidate] = {}
+        read_candidates(self.dialect, zip(mids, *([col[j] for j in at] for col in self.cold),
+                                          strict=True), out)
+        for i, mid in zip(rows, mids, strict=True):
+            self.cands[i] = out[mid]
+        self.cold_at[list(rows)] = -1
+
+    def warm(self, limit: int) -> bool:
+        """Build the candidates of up to `limit` more rows restored from a file; False once
+        none is left (then the raw columns are dropped). Call with the cache's lock held."""
+        if self.cold is None:
+            return False
+        rows = np.flatnonzero(self.cold_at >= 0)[:limit]
+        if len(rows):
+            self._build(rows.tolist())
+        if len(rows) < limit:
+            self.cold = None
+            return False
+        return True
 
     def _set_attrs(self, idx: np.ndarray, attrs: Sequence[Sequence[Any]]) -> None:
         self.kind[idx] = [_KIND_CODES.get(a[0], -1) for a in attrs]

@@ -13,6 +13,7 @@ import os
 import secrets
 import sqlite3
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +83,7 @@ class SQLiteStore(SQLStore):
         self._saver: ThreadPoolExecutor | None = None  # saves cache files (`_in_background`)
         self._saver_pid = 0
         self._saver_lock = threading.Lock()
+        self._closing = False
         schema.migrate(self._db)
         # lex_log is bounded once its horizon exists (always after `migrate`; the upgrade test
         # writes through a store it stopped at the first migration)
@@ -106,6 +108,7 @@ class SQLiteStore(SQLStore):
         return nullcontext(self._db.read)
 
     def close(self) -> None:
+        self._closing = True
         with self._saver_lock:
             saver, self._saver = self._saver, None
         if saver is not None and self._saver_pid == os.getpid():
@@ -287,7 +290,18 @@ class SQLiteStore(SQLStore):
             return None
         slab.saved_n = slab.n
         log.info("loaded the dense cache of %s (%d keys) from %s", key, slab.n, where[0])
+        if slab.cold is not None:
+            self._in_background(lambda: self._warm(slab))
         return slab
+
+    def _warm(self, slab: Slab) -> None:
+        """Build the candidates of a cache loaded from its file, a chunk at a time under the
+        lock, off the request path (a search builds the ones it needs first itself)."""
+        while not self._closing:
+            with self._slabs_lock:
+                if not slab.warm(5_000):  # ~50 ms: a search waits no longer than that
+                    return
+            time.sleep(0.002)  # the lock is not fair: let a waiting search take it first
 
     def _save_slab(self, slab: Slab, key: tuple[Any, ...]) -> None:
         """Save an exact cache beside the database (`_save_cache`, off the request path), to
