@@ -53,7 +53,9 @@ class SQLiteStore(SQLStore):
                  cache_rows: int = 2_000_000) -> None:
         """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
         scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
-        extra, else always exact), saved beside the database in `<file>.ann/`.
+        extra, else always exact), saved beside the database in `<file>.ann/`; the dense cache
+        of such a scope is saved too, in `<file>.slabs/` (not when encrypted), so a new
+        process loads it from there instead of the tables.
         `lexicon_threshold`: once the full-text index holds more rows than this, lexical
         searches run on an in-memory copy of it (lexicon.py: the same scores as FTS5), saved
         beside the database in `<file>.lexicon` (not when it is encrypted: it holds words).
