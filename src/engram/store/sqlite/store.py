@@ -110,8 +110,9 @@ class SQLiteStore(SQLStore):
         return nullcontext(self._db.read)
 
     def close(self) -> None:
-        self._closing = True
+        """Close the connections, after the cache files being saved are written."""
         with self._saver_lock:
+            self._closing = True
             saver, self._saver = self._saver, None
         if saver is not None and self._saver_pid == os.getpid():
             saver.shutdown(wait=True)
@@ -328,15 +329,25 @@ class SQLiteStore(SQLStore):
         self._in_background(save)
 
     def _in_background(self, job: Callable[[], None]) -> None:
-        """Run a cache save on the store's one saving thread (in order), not the caller's."""
+        """Run cache work (saving a file, building a loaded cache's candidates) on the store's
+        one background thread, in order, not the caller's; none once it is closing."""
+        def run() -> None:
+            try:
+                job()
+            except Exception:  # a cache: logged, and the next search or save tries again
+                log.exception("background cache work failed")
+
         with self._saver_lock:
+            if self._closing:
+                return
             if self._saver is None or self._saver_pid != os.getpid():  # none, or a parent's
                 self._saver = ThreadPoolExecutor(1, thread_name_prefix="engram-cache-save")
                 self._saver_pid = os.getpid()
-            self._saver.submit(job)
+            self._saver.submit(run)
 
     def wait_for_saves(self) -> None:
-        """Wait until the cache files being saved are written (and named)."""
+        """Wait until the background cache work asked for so far is done (files written and
+        named, loaded caches' candidates built)."""
         with self._saver_lock:
             saver = self._saver if self._saver_pid == os.getpid() else None
         if saver is not None:
