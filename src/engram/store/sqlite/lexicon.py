@@ -165,6 +165,7 @@ class Lexicon:
         self._norm: tuple[tuple[int, float, int], np.ndarray] | None = None
         self._score = np.zeros(0)
         self._hit = np.zeros(0, dtype=bool)
+        self._tmp = np.zeros((3, 0))  # per posting of a term: f, numerator, denominator
 
     def close(self) -> None:
         self._fts.close()
@@ -400,10 +401,22 @@ class Lexicon:
             if scope is not None:
                 keep = scope[docs]
                 docs, body, ctx = docs[keep], body[keep], ctx[keep]
-            f = body.astype(np.float64)
+            # idf * (f * (K1 + 1) / (f + norm)) with f = body + context * previous_weight, in
+            # float64, into reused buffers (the same operations, so the same values)
+            if self._tmp.shape[1] < len(docs):
+                self._tmp = np.zeros((3, max(len(docs), 2 * self._tmp.shape[1])))
+            f, num, den = (t[:len(docs)] for t in self._tmp)
+            np.copyto(f, body)
             if previous_weight:
-                f += ctx.astype(np.float64) * previous_weight
-            score[docs] += idf * ((f * (K1 + 1.0)) / (f + norms[docs]))
+                np.copyto(num, ctx)
+                num *= previous_weight
+                f += num
+            np.multiply(f, K1 + 1.0, out=num)
+            np.take(norms, docs, out=den)
+            den += f
+            np.divide(num, den, out=num)
+            num *= idf
+            score[docs] += num
             hit[docs] = True
         docs = np.flatnonzero(hit)
         out = score[docs]
