@@ -321,7 +321,9 @@ class Slab:
         slab.memory_ids = unpack(ids, n)
         if len(slab.memory_ids) != n:
             raise ValueError("the ids do not match the header")
-        slab._code = {mid: c for mid, c in zip(slab.memory_ids, codes.tolist(), strict=True) if mid}
+        # built in C (the last row of an id wins, as in `append`); "" is a dead row's blank id
+        slab._code = dict(zip(slab.memory_ids, codes.tolist(), strict=True))
+        slab._code.pop("", None)
         slab.n = n
         slab.max_seq, slab.version = int(head["max_seq"]), int(head["version"])
         slab.rows_version, slab.tomb_max = int(head["rows_version"]), int(head["tomb_max"])
@@ -344,7 +346,8 @@ class Slab:
             slab.cold_at = np.full(n, -1, dtype=np.int64)
             slab.cold_at[held] = np.arange(m)
             slab.cands = [None] * n
-            slab.row_of = {mid: i for i, mid in enumerate(slab.memory_ids) if mid}
+            slab.row_of = dict(zip(slab.memory_ids, range(n), strict=True))
+            slab.row_of.pop("", None)
         return slab
 
     def live_rows(self) -> np.ndarray:
