@@ -100,6 +100,7 @@ def check(store: SQLiteStore, rng: random.Random, n: int = 60) -> int:
                 theirs = fts5(store, q, words, k, w)
                 same(ours, theirs, k)
                 compared += len(ours)
+    store.wait_for_saves()  # the index's file is saved off the searching thread
     return compared
 
 
@@ -381,6 +382,7 @@ def test_a_corrupt_or_foreign_file_is_rebuilt_never_trusted(
             with s.write() as tx:
                 tx.soft_delete([r.id for r in recs[:30]], NOW)
             s._save_lexicon(s._lex)  # type: ignore[arg-type]
+            s.wait_for_saves()
             file.write_bytes(data)
         caplog.clear()
         new = SQLiteStore(path, lexicon_threshold=0)
@@ -423,6 +425,8 @@ def test_an_erasure_leaves_no_word_in_a_side_file(tmp_path: Path) -> None:
         q = Query(scope=SCOPES[0], now=NOW)
         assert [m for m, _ in s.lexical(q, [canary], 5, 0.5)] == [secret.id]
         assert [m for m, _ in other.lexical(q, [canary], 5, 0.5)] == [secret.id]
+        s.wait_for_saves()
+        other.wait_for_saves()
         assert any(canary.encode() in p.read_bytes() for p in side_files(tmp_path))  # it can fail
         stale = other._lex
         assert stale is not None
@@ -431,12 +435,14 @@ def test_an_erasure_leaves_no_word_in_a_side_file(tmp_path: Path) -> None:
         assert not any(canary.encode() in p.read_bytes() for p in side_files(tmp_path))
         # the other process's index predates the erasure: it never names a file again...
         other._save_lexicon(stale)
+        other.wait_for_saves()
         assert not any(canary.encode() in p.read_bytes() for p in side_files(tmp_path))
         assert s._read("SELECT value FROM meta WHERE name = 'lex_file'")[0][0] == 0
         # ... and its next search drops it, and builds (and saves) one without the word
         assert other.lexical(q, [canary], 5, 0.5) == []
         assert other._lex is not stale and other._lex is not None
         assert canary not in other._lex.vocab
+        other.wait_for_saves()
         assert (tmp_path / "lex.db.lexicon").exists()
         assert not any(canary.encode() in p.read_bytes() for p in side_files(tmp_path))
     finally:

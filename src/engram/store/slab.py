@@ -1,10 +1,12 @@
 """The dense search cache of both stores: the vectors of one scope and key name in a numpy
 matrix, with what visibility needs per row, so a search filters and scores in numpy; the
 `text` slab also holds each memory's ranking fields, so the candidate pool costs no SQL.
-Each store follows its database into it (sqlite/store.py, postgres/store.py)."""
+Each store follows its database into it (sqlite/store.py, postgres/store.py); the SQLite store
+saves a large one beside the database (`state` / `restore`) and a new process starts from it."""
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -13,6 +15,7 @@ import numpy as np
 
 from ..model import Kind
 from .base import Candidate, Query, Seen
+from .cachefile import pack, unpack
 from .records import CANDIDATE_COLUMNS, Dialect, read_candidates, time_bounds
 
 if TYPE_CHECKING:
@@ -63,12 +66,21 @@ class Slab:
         self.ann: Ann | None = None  # the HNSW index over these rows, at large scopes
         self.rich = rich
         self.cands: list[Candidate | None] = []  # per row, when rich
+        # restored from a file: the CANDIDATE_COLUMNS (but the id) as stored, one list per
+        # column, and each row's place in them (-1: none, or built into `cands` since)
+        self.cold: list[list[Any]] | None = None
+        self.cold_at = np.zeros(0, dtype=np.int64)
+        self.dialect: Dialect | None = None
         self.row_of: dict[str, int] = {}          # memory id -> its latest row, when rich
         self.n = 0
         self.max_seq = 0
         self.version = -1
         self.rows_version = -1  # the rows_version the attributes are exact for; -1: unknown
         self.tomb_max = -1      # the last tombstone applied; -1: not read yet
+        self.erasures = -1      # the database's erasure count when it was last exact
+        self.saved_n = 0        # its rows when last saved to (or loaded from) a file
+        self.changes = 0        # counts the changes to its rows (added, killed, attributes)
+        self.ann_at = -1        # `changes` when `ann` was last brought up to date
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * len(self.seqs))
@@ -81,6 +93,7 @@ class Slab:
         """Add rows in seq order; `attrs` holds (kind, expires_at, valid_from, valid_to) each,
         followed in a rich slab by the CANDIDATE_COLUMNS (read with dialect `d`)."""
         need = self.n + len(seqs)
+        self.changes += 1
         if need > len(self.seqs):
             self._grow(need)
         self.mat[self.n:need] = unit(vecs)
@@ -94,6 +107,8 @@ class Slab:
         self.codes[self.n:need] = [code.setdefault(mid, len(code)) for mid in mids]
         if self.rich:
             self.cands.extend(self._candidates(attrs, d) if attrs else [None] * len(mids))
+            if self.cold is not None:
+                self.cold_at = np.concatenate([self.cold_at, np.full(len(mids), -1, np.int64)])
             for i, mid in enumerate(mids, start=self.n):
                 self.row_of[mid] = i
         self.n = need
@@ -112,15 +127,47 @@ class Slab:
         """The cached `Candidate` of each id, and the ids it does not hold."""
         found: dict[str, Candidate] = {}
         missing: list[str] = []
+        cold: list[tuple[str, int]] = []
         row_of, cands = self.row_of, self.cands
         for mid in ids:
             i = row_of.get(mid)
             c = cands[i] if i is not None else None
-            if c is None:
-                missing.append(mid)
-            else:
+            if c is not None:
                 found[mid] = c
+            elif i is not None and self.cold is not None and self.cold_at[i] >= 0:
+                cold.append((mid, i))
+            else:
+                missing.append(mid)
+        if cold:  # restored from a file and not built yet: built now
+            self._build([i for _, i in cold])
+            for mid, i in cold:
+                found[mid] = cands[i]  # type: ignore[assignment]
         return found, missing
+
+    def _build(self, rows: Sequence[int]) -> None:
+        """The `Candidate` of rows still held as read from a file (`cold`)."""
+        assert self.dialect is not None and self.cold is not None
+        at = self.cold_at[list(rows)].tolist()
+        mids = [self.memory_ids[i] for i in rows]
+        out: dict[str, Candidate] = {}
+        read_candidates(self.dialect, zip(mids, *([col[j] for j in at] for col in self.cold),
+                                          strict=True), out)
+        for i, mid in zip(rows, mids, strict=True):
+            self.cands[i] = out[mid]
+        self.cold_at[list(rows)] = -1
+
+    def warm(self, limit: int) -> bool:
+        """Build the candidates of up to `limit` more rows restored from a file; False once
+        none is left (then the raw columns are dropped). Call with the cache's lock held."""
+        if self.cold is None:
+            return False
+        rows = np.flatnonzero(self.cold_at >= 0)[:limit]
+        if len(rows):
+            self._build(rows.tolist())
+        if len(rows) < limit:
+            self.cold = None
+            return False
+        return True
 
     def _set_attrs(self, idx: np.ndarray, attrs: Sequence[Sequence[Any]]) -> None:
         self.kind[idx] = [_KIND_CODES.get(a[0], -1) for a in attrs]
@@ -130,7 +177,11 @@ class Slab:
     def rows_of(self, seqs: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Slab row of each seq (seqs are stored ascending) and which of them are held."""
         want = np.asarray(seqs, dtype=np.int64)
-        pos = np.searchsorted(self.seqs[:self.n], want)
+        # looked up in ascending order (each search starts where the last ended: at 1M rows,
+        # a third of the time of HNSW's unordered seqs), answered in the order asked
+        order = np.argsort(want, kind="stable")
+        pos = np.empty(len(want), dtype=np.int64)
+        pos[order] = np.searchsorted(self.seqs[:self.n], want[order])
         held = pos < self.n
         held[held] = self.seqs[pos[held]] == want[held]
         return pos, held
@@ -140,17 +191,21 @@ class Slab:
         text cleared (the key may have been erased)."""
         pos, held = self.rows_of(seqs)
         rows = pos[held]
+        self.changes += 1
         self.alive[rows] = False
         self.mat[rows] = 0.0
         if self.rich:
             for i in rows.tolist():
                 self.cands[i] = None
+            if self.cold is not None:
+                self.cold_at[rows] = -1
 
     def reset_attrs(self, rows: Sequence[Sequence[Any]], d: Dialect | None = None) -> None:
         """Replace every row's attributes: `rows` are (seq, kind, expires, valid_from, valid_to,
         and in a rich slab the CANDIDATE_COLUMNS) of the keys whose memory is in scope and not
         deleted; the others are not ok."""
         self.ok[:self.n] = False
+        self.changes += 1
         if not rows:
             return
         pos, held = self.rows_of([r[0] for r in rows])
@@ -161,6 +216,8 @@ class Slab:
         if self.rich:
             for i, c in zip(idx.tolist(), self._candidates(attrs, d), strict=True):
                 self.cands[i] = c
+            if self.cold is not None:
+                self.cold_at[idx] = -1
 
     def visible(self, query: Query, rows: np.ndarray | None = None) -> np.ndarray:
         """Rows `query` may see (of all rows, or of `rows`), except for its metadata
@@ -195,6 +252,103 @@ class Slab:
         first.sort()
         kept: np.ndarray = rows[first]
         return kept
+
+    # -- its file (the SQLite store saves a large slab beside the database) ------------------
+
+    def state(self, d: Dialect) -> tuple[dict[str, Any], list[np.ndarray]] | None:
+        """The slab as numbers and arrays (`restore` makes it again); None when a string holds
+        a NUL (it is not saved). A dead row's memory id is left out, as its vector and text."""
+        n = self.n
+        alive = self.alive[:n]
+        ids = pack([m if a else "" for m, a in zip(self.memory_ids, alive.tolist(), strict=True)])
+        if ids is None:
+            return None
+        head = {"n": n, "dim": int(self.mat.shape[1]), "rich": self.rich,
+                "max_seq": self.max_seq, "version": self.version,
+                "rows_version": self.rows_version, "tomb_max": self.tomb_max}
+        # copies, but of the vectors: a later `kill` zeroes rows in place (and is applied
+        # again from the tombstones after `tomb_max`), while the rest may change otherwise
+        arrays = [self.mat[:n], self.seqs[:n].copy(), alive.copy(), self.ok[:n].copy(),
+                  self.kind[:n].copy(), *(getattr(self, t)[:n].copy() for t in TIMES),
+                  self.codes[:n].copy(), ids]
+        if self.rich:
+            held = np.zeros(n, dtype=bool)
+            rows: list[tuple[Any, ...]] = []  # the CANDIDATE_COLUMNS but the id, as stored
+            for i in np.flatnonzero(alive).tolist():
+                raw = self._raw(i, d)
+                if raw is not None:
+                    held[i] = True
+                    rows.append(raw)
+            cols = list(zip(*rows, strict=True)) if rows else [()] * 8
+            for col in cols[:5]:  # user, agent and session ids, name, text
+                packed = pack([v or "" for v in col])
+                if packed is None:
+                    return None
+                arrays += [packed, np.array([v is None for v in col], dtype=bool)]
+            arrays += [held, np.array([np.nan if v is None else v for v in cols[5]], dtype=np.float64),
+                       np.array(cols[6], dtype=np.float64), np.array(cols[7], dtype=np.float64)]
+        return head, arrays
+
+    def _raw(self, i: int, d: Dialect) -> tuple[Any, ...] | None:
+        """Row `i`'s CANDIDATE_COLUMNS but the id, as the table holds them (None: none held)."""
+        c = self.cands[i]
+        if c is not None:
+            s = c.scope
+            return (s.user_id, s.agent_id, s.session_id, c.name, c.text,
+                    d.opt_time(c.observed_at), d.time(c.created_at), c.importance)
+        if self.cold is not None and self.cold_at[i] >= 0:
+            j = int(self.cold_at[i])
+            return tuple(col[j] for col in self.cold)
+        return None
+
+    @classmethod
+    def restore(cls, head: dict[str, Any], arrays: Sequence[np.ndarray], d: Dialect) -> Slab:
+        """The slab `state` gave (raises ValueError, KeyError or TypeError if it is not one).
+        Its arrays are used as they are (writable views of the file's bytes, no copy); the
+        candidates stay raw columns (`cold`) until a search asks for them."""
+        n, dim, rich = int(head["n"]), int(head["dim"]), bool(head["rich"])
+        slab = cls(dim, rich=rich)
+        mat, seqs, alive, ok, kind, *times, codes, ids = arrays[:10]
+        if n < 1 or mat.shape != (n, dim) or \
+                any(a.shape != (n,) for a in (seqs, alive, ok, kind, *times, codes)):
+            raise ValueError("the arrays do not match the header")
+        slab.mat = mat
+        for name, a in zip(("seqs", "alive", "ok", "kind", *TIMES, "codes"),
+                           (seqs, alive, ok, kind, *times, codes), strict=True):
+            if a.dtype != getattr(slab, name).dtype:
+                raise ValueError(f"{name} is not of its type")
+            setattr(slab, name, a)
+        slab.memory_ids = unpack(ids, n)
+        if len(slab.memory_ids) != n:
+            raise ValueError("the ids do not match the header")
+        # built in C (the last row of an id wins, as in `append`); "" is a dead row's blank id
+        slab._code = dict(zip(slab.memory_ids, codes.tolist(), strict=True))
+        slab._code.pop("", None)
+        slab.n = n
+        slab.max_seq, slab.version = int(head["max_seq"]), int(head["version"])
+        slab.rows_version, slab.tomb_max = int(head["rows_version"]), int(head["tomb_max"])
+        if rich:
+            rest = arrays[10:]
+            held = rest[10]
+            if held.shape != (n,):
+                raise ValueError("the candidates do not match the header")
+            m = int(held.sum())
+            cold: list[list[Any]] = []
+            for j in range(5):
+                values = unpack(rest[2 * j], m) if m else []
+                none = rest[2 * j + 1].tolist()
+                cold.append([None if z else v for v, z in zip(values, none, strict=True)])
+            cold.append([None if math.isnan(t) else t for t in rest[11].tolist()])
+            cold += [rest[12].tolist(), rest[13].tolist()]
+            if any(len(col) != m for col in cold):
+                raise ValueError("the candidates do not match the header")
+            slab.cold, slab.dialect = cold, d
+            slab.cold_at = np.full(n, -1, dtype=np.int64)
+            slab.cold_at[held] = np.arange(m)
+            slab.cands = [None] * n
+            slab.row_of = dict(zip(slab.memory_ids, range(n), strict=True))
+            slab.row_of.pop("", None)
+        return slab
 
     def live_rows(self) -> np.ndarray:
         """Rows whose key and memory exist (whatever the time and kind)."""

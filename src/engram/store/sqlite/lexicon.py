@@ -37,13 +37,9 @@ erasure), whose position the log cannot reach, or whose checksum fails is never 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import sqlite3
-import threading
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +47,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import cachefile
 from ..bm25 import K1, MIN_IDF, TOKENIZE, B, Tokenizer
+from ..cachefile import pack, unpack
 
 Doc = tuple[int, str, str, str, str]  # (rid, memory id, body, context, owner) of a memory_fts row
 MAX_SEGMENTS = 8
@@ -60,7 +58,6 @@ BATCH = 20_000       # documents tokenised at once while building
 LOG_KEEP = 100_000   # lex_log entries kept (then the older half goes): `prune_log`
 MAGIC = b"engram-lexicon\n\x00"  # the first 16 bytes of a saved index
 FORMAT = 1
-ALIGN = 8
 
 log = logging.getLogger("engram.store")
 
@@ -85,18 +82,6 @@ def prune_log(conn: sqlite3.Connection, keep: int) -> None:
         cut = top - keep // 2
         conn.execute("DELETE FROM lex_log WHERE id <= ?", (cut,))
         conn.execute("UPDATE meta SET value = ? WHERE name = 'lex_horizon'", (cut,))
-
-
-def _pack(strings: Sequence[str]) -> np.ndarray | None:
-    """Strings as one NUL-separated UTF-8 array; None if one holds a NUL itself."""
-    blob = "\0".join(strings)
-    if blob.count("\0") != max(len(strings) - 1, 0):
-        return None
-    return np.frombuffer(blob.encode(), dtype=np.uint8)
-
-
-def _unpack(arr: np.ndarray, n: int) -> list[str]:
-    return arr.tobytes().decode().split("\0") if n else []
 
 
 def pair_key(a: Any, b: Any) -> Any:
@@ -174,7 +159,13 @@ class Lexicon:
         self.version = -1   # the last lex_log id applied; -1: not built
         self.erasures = 0   # meta.erasures when built: an erasure since drops it (its words)
         self.saved = -1     # the version last saved to (or loaded from) its file
-        self._scopes: dict[tuple[str, ...], tuple[int, np.ndarray]] = {}
+        self._scopes: dict[tuple[str, ...], tuple[tuple[int, int], np.ndarray | None]] = {}
+        # per document, BM25's length normalisation (as of `count` and `total`), and the
+        # score and hit buffers of a search (zero and False between searches)
+        self._norm: tuple[tuple[int, float, int], np.ndarray] | None = None
+        self._score = np.zeros(0)
+        self._hit = np.zeros(0, dtype=bool)
+        self._tmp = np.zeros((3, 0))  # per posting of a term: f, numerator, denominator
 
     def close(self) -> None:
         self._fts.close()
@@ -278,91 +269,41 @@ class Lexicon:
 
     # -- its file ------------------------------------------------------------------------------
 
-    def _arrays(self) -> list[np.ndarray] | None:
+    def state(self) -> tuple[dict[str, Any], list[np.ndarray]] | None:
+        """The index as a header and arrays (`write` saves them; the arrays are copies where
+        later changes rewrite them in place); None if it cannot be saved (a NUL in an id)."""
         n = self.n
-        terms, ids = _pack(list(self.vocab)), _pack(self.ids)
+        terms, ids = pack(list(self.vocab)), pack(self.ids)
         if terms is None or ids is None:
-            return None
-        out = [a for s in self.segments for a in (s.keys, s.starts, s.docs, s.body, s.context)]
-        return [*out, self.rids[:n], self.lens[:n], self.alive[:n], terms, ids]
-
-    def write(self, path: Path, token: int) -> Path | None:
-        """Write the index to a temporary file beside `path` (the caller renames it into place,
-        under the database's write lock); None if it cannot be saved (a NUL in an id)."""
-        arrays = self._arrays()
-        if arrays is None:
             log.warning("the lexical index is not saved: an id holds a NUL character")
             return None
-        layout, at = [], 0
-        for a in arrays:
-            layout.append([a.dtype.str, list(a.shape), at])
-            at += -(-a.nbytes // ALIGN) * ALIGN
-        header = json.dumps({
-            "format": FORMAT, "tokenize": TOKENIZE, "token": token, "version": self.version,
-            "erasures": self.erasures, "n": self.n, "count": self.count, "total": self.total,
-            "terms": len(self.vocab), "segments": len(self.segments), "arrays": layout,
-        }).encode()
-        head = MAGIC + len(header).to_bytes(8, "little") + header
-        head += b"\0" * (-len(head) % ALIGN)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
-        try:
-            with open(tmp, "wb") as f:
-                crc = zlib.crc32(head)
-                f.write(head)
-                for a in arrays:
-                    data = np.ascontiguousarray(a).data.cast("B")
-                    pad = b"\0" * (-len(data) % ALIGN)
-                    crc = zlib.crc32(pad, zlib.crc32(data, crc))
-                    f.write(data)
-                    f.write(pad)
-                f.write(crc.to_bytes(4, "little"))
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return tmp
+        out = [a for s in self.segments for a in (s.keys, s.starts, s.docs, s.body, s.context)]
+        return {"format": FORMAT, "tokenize": TOKENIZE, "version": self.version,
+                "erasures": self.erasures, "n": n, "count": self.count, "total": self.total,
+                "terms": len(self.vocab), "segments": len(self.segments)}, \
+            [*out, self.rids[:n].copy(), self.lens[:n].copy(), self.alive[:n].copy(), terms, ids]
+
+    @staticmethod
+    def write(path: Path, token: int, state: tuple[dict[str, Any], list[np.ndarray]]) -> Path:
+        """Write a `state` to a temporary file beside `path` (the caller renames it into
+        place, under the database's write lock)."""
+        head, arrays = state
+        return cachefile.write(path, MAGIC, {**head, "token": token}, arrays)
 
     @classmethod
     def load(cls, path: Path, token: int) -> Lexicon | None:
         """The index saved at `path` if its header names `token` and its checksum holds; None
         otherwise (no file, another save's, torn, corrupt or of another format)."""
+        found = cachefile.read(path, MAGIC, token, {"format": FORMAT, "tokenize": TOKENIZE})
+        if found is None:
+            return None
+        head, arrays = found
         try:
-            with open(path, "rb") as f:
-                start = f.read(len(MAGIC) + 8)
-                if len(start) < len(MAGIC) + 8 or start[:len(MAGIC)] != MAGIC:
-                    raise ValueError("not a lexicon file")
-                size = int.from_bytes(start[len(MAGIC):], "little")
-                if size > 1 << 26:
-                    raise ValueError("header too long")
-                raw = f.read(size)
-                head = json.loads(raw)
-                if head.get("token") != token:
-                    return None  # another save's (or another database's): not this one
-                if head.get("format") != FORMAT or head.get("tokenize") != TOKENIZE:
-                    raise ValueError("another format")
-                f.read(-(len(start) + size) % ALIGN)
-                body = bytearray(os.fstat(f.fileno()).st_size - f.tell())
-                f.readinto(body)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
-            log.warning("ignoring the unreadable lexical index %s: %s", path, exc)
-            return None
-        pre = start + raw + b"\0" * (-(len(start) + size) % ALIGN)
-        if len(body) < 4 or zlib.crc32(memoryview(body)[:-4], zlib.crc32(pre)) != \
-                int.from_bytes(body[-4:], "little"):
-            log.warning("ignoring the lexical index %s: its checksum fails", path)
-            return None
-        try:
-            arrays = [np.frombuffer(body, dtype=np.dtype(dt), count=math.prod(shape),
-                                    offset=at).reshape(shape) for dt, shape, at in head["arrays"]]
             *segs, rids, lens, alive, terms, ids = arrays
             lex = cls()
             lex.segments = [Segment(*segs[i:i + 5]) for i in range(0, len(segs), 5)]
-            lex.vocab = {t: i for i, t in enumerate(_unpack(terms, head["terms"]))}
-            lex.ids = _unpack(ids, head["n"])
+            lex.vocab = {t: i for i, t in enumerate(unpack(terms, head["terms"]))}
+            lex.ids = unpack(ids, head["n"])
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
             log.warning("ignoring the malformed lexical index %s: %s", path, exc)
             return None
@@ -398,6 +339,8 @@ class Lexicon:
             return empty.astype(np.int32), empty, empty
         docs, body, ctx = (np.concatenate(x) for x in zip(*found, strict=True)) \
             if len(found) > 1 else found[0]
+        if self.count == self.n:
+            return docs, body, ctx  # no dead document (a fresh index): no filtering
         live = self.alive[docs]
         return docs[live], body[live], ctx[live]
 
@@ -407,7 +350,7 @@ class Lexicon:
             return None
         key = tuple(owners)
         hit = self._scopes.get(key)
-        if hit is not None and hit[0] == self.n:
+        if hit is not None and hit[0] == (self.n, self.count):
             return hit[1]
         mask = np.zeros(self.n, dtype=bool)
         first = True
@@ -422,7 +365,10 @@ class Lexicon:
             first = False
         if len(self._scopes) > 16:
             self._scopes.clear()
-        self._scopes[key] = (self.n, mask)
+        # a scope holding every live document (one tenant) filters nothing: no mask at all
+        everything = int(np.count_nonzero(mask & self.alive[:self.n])) == self.count
+        self._scopes[key] = ((self.n, self.count), None if everything else mask)
+        return None if everything else mask
         return mask
 
     def scores(self, terms: Sequence[str], owners: Sequence[str],
@@ -439,11 +385,13 @@ class Lexicon:
         if not phrases or not self.count:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         scope = self.in_scope(owners)
-        n_rows, avgdl = self.count, self.total / self.count
+        n_rows = self.count
+        norms = self._norms()
+        if len(self._score) < self.n:
+            self._score, self._hit = np.zeros(self.n), np.zeros(self.n, dtype=bool)
         # one slot per document: a phrase's postings hold each document once, so a scatter
         # adds each phrase's term to each score in query order, as FTS5 sums them
-        score = np.zeros(self.n)
-        hit = np.zeros(self.n, dtype=bool)
+        score, hit = self._score, self._hit
         for p in phrases:
             key = self._phrase_key(p)
             docs, body, ctx = self._postings(key if key is not None else -1)
@@ -453,12 +401,37 @@ class Lexicon:
             if scope is not None:
                 keep = scope[docs]
                 docs, body, ctx = docs[keep], body[keep], ctx[keep]
-            f = body.astype(np.float64) + ctx.astype(np.float64) * previous_weight
-            norm = K1 * (1 - B + B * self.lens[docs] / avgdl)
-            score[docs] += idf * ((f * (K1 + 1.0)) / (f + norm))
+            # idf * (f * (K1 + 1) / (f + norm)) with f = body + context * previous_weight, in
+            # float64, into reused buffers (the same operations, so the same values)
+            if self._tmp.shape[1] < len(docs):
+                self._tmp = np.zeros((3, max(len(docs), 2 * self._tmp.shape[1])))
+            f, num, den = (t[:len(docs)] for t in self._tmp)
+            np.copyto(f, body)
+            if previous_weight:
+                np.copyto(num, ctx)
+                num *= previous_weight
+                f += num
+            np.multiply(f, K1 + 1.0, out=num)
+            np.take(norms, docs, out=den)
+            den += f
+            np.divide(num, den, out=num)
+            num *= idf
+            score[docs] += num
             hit[docs] = True
         docs = np.flatnonzero(hit)
-        return docs, score[docs]
+        out = score[docs]
+        score[docs] = 0.0
+        hit[docs] = False
+        return docs, out
+
+    def _norms(self) -> np.ndarray:
+        """Each document's `K1 * (1 - B + B * len / avgdl)`, computed once per change of the
+        index (the same operations, in the same order, as per posting)."""
+        at = (self.count, self.total, self.n)
+        if self._norm is None or self._norm[0] != at:
+            avgdl = self.total / self.count
+            self._norm = at, K1 * (1 - B + B * self.lens[:self.n] / avgdl)
+        return self._norm[1]
 
     def search(self, terms: Sequence[str], owners: Sequence[str], k: int, previous_weight: float,
                visible: Callable[[list[str]], set[str]],

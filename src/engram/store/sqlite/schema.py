@@ -197,6 +197,13 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
         "UPDATE meta SET value = value + 1 WHERE name = 'erasures'; "
         "UPDATE meta SET value = 0 WHERE name = 'lex_file'; END",
     ]),
+    # The large dense caches (slab.py) are saved beside the database too, each trusted while
+    # its `meta` row `slab_file:<name>` holds the file's token: an erasure unnames them all
+    # in the erasing transaction (they hold vectors and texts).
+    ("0007_slab_files", [
+        "CREATE TRIGGER memories_erased_slabs AFTER DELETE ON memories BEGIN "
+        "UPDATE meta SET value = 0 WHERE name GLOB 'slab_file:*' AND value <> 0; END",
+    ]),
 ]
 
 

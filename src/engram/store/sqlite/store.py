@@ -7,12 +7,16 @@ has changed it; a stale cache entry is caught by re-checking candidates against 
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import secrets
 import sqlite3
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from datetime import datetime
@@ -23,6 +27,7 @@ import numpy as np
 
 from ...errors import StoreError
 from ...model import Job, JobStatus, MemoryRecord
+from .. import cachefile
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query
 from ..slab import Slab, evict, unit
@@ -32,6 +37,9 @@ from .conn import BUSY_ERRORS, DB_ERRORS, Connections
 from .lexicon import MAX_DEAD, Lexicon
 
 log = logging.getLogger("engram.store")
+
+SLAB_MAGIC = b"engram-slab\n\x00\x00\x00\x00"  # the first 16 bytes of a saved dense cache
+SLAB_FORMAT = 1
 
 
 class SQLiteStore(SQLStore):
@@ -45,7 +53,9 @@ class SQLiteStore(SQLStore):
                  cache_rows: int = 2_000_000) -> None:
         """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
         scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
-        extra, else always exact), saved beside the database in `<file>.ann/`.
+        extra, else always exact), saved beside the database in `<file>.ann/`; the dense cache
+        of such a scope is saved too, in `<file>.slabs/` (not when encrypted), so a new
+        process loads it from there instead of the tables.
         `lexicon_threshold`: once the full-text index holds more rows than this, lexical
         searches run on an in-memory copy of it (lexicon.py: the same scores as FTS5), saved
         beside the database in `<file>.lexicon` (not when it is encrypted: it holds words).
@@ -55,10 +65,12 @@ class SQLiteStore(SQLStore):
         self.path = Path(path)
         self._ann_dir: Path | None = None
         self._lex_path: Path | None = None
+        self._slab_dir: Path | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._ann_dir = self.path.parent / f"{self.path.name}.ann"
             self._lex_path = self.path.parent / f"{self.path.name}.lexicon"
+            self._slab_dir = self.path.parent / f"{self.path.name}.slabs"
         self.ann_threshold = ann_threshold
         self.lexicon_threshold = lexicon_threshold
         self.lexicon_log = lexicon_log
@@ -70,6 +82,10 @@ class SQLiteStore(SQLStore):
         self._local = threading.local()  # .dirty: this thread's open write changed keys
         self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
         self._slabs_lock = threading.Lock()
+        self._saver: ThreadPoolExecutor | None = None  # saves cache files (`_in_background`)
+        self._saver_pid = 0
+        self._saver_lock = threading.Lock()
+        self._closing = False
         schema.migrate(self._db)
         # lex_log is bounded once its horizon exists (always after `migrate`; the upgrade test
         # writes through a store it stopped at the first migration)
@@ -81,6 +97,7 @@ class SQLiteStore(SQLStore):
         named = self._read("SELECT value FROM meta WHERE name = 'lex_file'")  # none: too old
         if self._db.encrypted or not named or not named[0][0]:
             self._forget_lexicon_files()
+        self._forget_slab_files(keep=not self._db.encrypted)
 
     @property
     def connections(self) -> Connections:
@@ -93,6 +110,12 @@ class SQLiteStore(SQLStore):
         return nullcontext(self._db.read)
 
     def close(self) -> None:
+        """Close the connections, after the cache files being saved are written."""
+        with self._saver_lock:
+            self._closing = True
+            saver, self._saver = self._saver, None
+        if saver is not None and self._saver_pid == os.getpid():
+            saver.shutdown(wait=True)
         with self._lex_lock:
             if self._lex is not None:
                 self._lex.close()
@@ -127,13 +150,56 @@ class SQLiteStore(SQLStore):
         with self._slabs_lock:
             for slab in self._slabs.values():
                 slab.ann = None
+                slab.saved_n = 0  # unnamed by the erasure: saved again once exact
             ann.forget_files(self._ann_dir)
+            self._forget_slab_files(keep=False)
 
     def _forget_lexicon_files(self) -> None:
         """Remove the saved lexical index and any half-written one."""
         if self._lex_path is not None:
             for f in self._lex_path.parent.glob(f"{self._lex_path.name}*"):
                 f.unlink(missing_ok=True)
+
+    def _forget_slab_files(self, keep: bool) -> None:
+        """Remove the saved dense caches: all of them, or (`keep`) those the database does not
+        name (unnamed by an erasure whose process died before removing them, half-written)."""
+        if self._slab_dir is None or not self._slab_dir.exists():
+            return
+        named = {row[0] for row in self._read(
+            "SELECT name FROM meta WHERE name GLOB 'slab_file:*' AND value <> 0")} if keep else set()
+        for f in self._slab_dir.iterdir():
+            if f"slab_file:{f.name}" not in named:
+                f.unlink(missing_ok=True)
+
+    def _save_cache(self, path: Path, name: str, erasures: int,
+                    write: Callable[[int], Path | None]) -> bool:
+        """Save a cache file beside the database (cachefile.py): `write` writes it with a new
+        token to a temporary file; renamed into place and named in `meta` (row `name`) in one
+        write transaction, so the file named is the last renamed, and none is named once an
+        erasure committed after the cache was last exact (`erasures`, the count then). Never
+        beside an encrypted database (the file would hold its contents in clear)."""
+        if self._db.encrypted:
+            return False
+        token = secrets.randbits(62) + 1
+        tmp: Path | None = None
+        try:
+            tmp = write(token)
+            if tmp is None:
+                return False
+            with self._db.transaction() as conn:
+                (now,), = conn.execute("SELECT value FROM meta WHERE name = 'erasures'")
+                if now != erasures:
+                    return False
+                tmp.replace(path)
+                conn.execute("INSERT INTO meta(name, value) VALUES (?, ?) "
+                             "ON CONFLICT(name) DO UPDATE SET value = excluded.value", (name, token))
+            return True
+        except (OSError, StoreError) as exc:  # a cache: the next build or save tries again
+            log.warning("could not save %s: %s", path, exc)
+            return False
+        finally:
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
 
     def migrations(self) -> list[str]:
         return schema.applied(self._db)
@@ -157,7 +223,7 @@ class SQLiteStore(SQLStore):
         with self._slabs_lock:
             slab = self._slabs.get(key)
             if slab is None or slab.mat.shape[1] != dim:
-                slab = Slab(dim, rich=key_name == "text")
+                slab = self._load_slab(key, dim, meta) or Slab(dim, rich=key_name == "text")
                 self._slabs[key] = slab
             self._slabs.move_to_end(key)
             # Inside a write that already changed keys, this connection sees rows that may yet
@@ -194,7 +260,98 @@ class SQLiteStore(SQLStore):
                                  self.dialect)
                 slab.rows_version = rows_version
             exact = not in_tx and slab.version == version and slab.rows_version == rows_version
+            if exact:
+                slab.erasures = meta["erasures"]
+                if slab.n > self.ann_threshold and \
+                        slab.n - slab.saved_n >= max(self.ann_threshold, slab.saved_n // 4):
+                    self._save_slab(slab, key)
             return slab, exact
+
+    def _slab_file(self, key: tuple[Any, ...]) -> tuple[Path, str] | None:
+        """Where the dense cache of one scope and key name is saved, and its name in `meta`."""
+        if self._slab_dir is None:
+            return None
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        return self._slab_dir / name, f"slab_file:{name}"
+
+    def _load_slab(self, key: tuple[Any, ...], dim: int, meta: dict[str, Any]) -> Slab | None:
+        """The cache saved for `key`, if the database names its file (`meta`, just read) and it
+        reads back whole; it then catches up with the tables like any cache. Call with the
+        slabs' lock held."""
+        where = self._slab_file(key)
+        token = meta.get(where[1]) if where is not None else None
+        if where is None or not token or self._db.encrypted:
+            return None
+        found = cachefile.read(where[0], SLAB_MAGIC, token,
+                               {"format": SLAB_FORMAT, "key": repr(key), "dim": dim})
+        if found is None:
+            return None
+        try:
+            slab = Slab.restore(found[0], found[1], self.dialect)
+        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
+            log.warning("ignoring the malformed dense cache %s: %s", where[0], exc)
+            return None
+        slab.saved_n = slab.n
+        log.info("loaded the dense cache of %s (%d keys) from %s", key, slab.n, where[0])
+        if slab.cold is not None:
+            self._in_background(lambda: self._warm(slab))
+        return slab
+
+    def _warm(self, slab: Slab) -> None:
+        """Build the candidates of a cache loaded from its file, a chunk at a time under the
+        lock, off the request path (a search builds the ones it needs first itself)."""
+        while not self._closing:
+            with self._slabs_lock:
+                if not slab.warm(5_000):  # ~50 ms: a search waits no longer than that
+                    return
+            time.sleep(0.002)  # the lock is not fair: let a waiting search take it first
+
+    def _save_slab(self, slab: Slab, key: tuple[Any, ...]) -> None:
+        """Save an exact cache beside the database (`_save_cache`, off the request path), to
+        spare a new process loading it from the tables. Call with the slabs' lock held: its
+        state is taken now (`Slab.state` copies what later changes rewrite in place)."""
+        where = self._slab_file(key)
+        if where is None or self._db.encrypted:
+            return
+        slab.saved_n = slab.n  # saved, or not possible now: tried again once it grew
+        state = slab.state(self.dialect)
+        if state is None:
+            log.warning("the dense cache of %s is not saved: a string holds a NUL", key)
+            return
+        head, arrays = state
+        header = {"format": SLAB_FORMAT, "key": repr(key), **head}
+        path, name, erasures = where[0], where[1], slab.erasures
+
+        def save() -> None:
+            if self._save_cache(path, name, erasures, lambda token: cachefile.write(
+                    path, SLAB_MAGIC, {**header, "token": token}, arrays)):
+                log.info("saved the dense cache of %s (%d keys) to %s", key, head["n"], path)
+        self._in_background(save)
+
+    def _in_background(self, job: Callable[[], None]) -> None:
+        """Run cache work (saving a file, building a loaded cache's candidates) on the store's
+        one background thread, in order, not the caller's; none once it is closing."""
+        def run() -> None:
+            try:
+                job()
+            except Exception:  # a cache: logged, and the next search or save tries again
+                log.exception("background cache work failed")
+
+        with self._saver_lock:
+            if self._closing:
+                return
+            if self._saver is None or self._saver_pid != os.getpid():  # none, or a parent's
+                self._saver = ThreadPoolExecutor(1, thread_name_prefix="engram-cache-save")
+                self._saver_pid = os.getpid()
+            self._saver.submit(run)
+
+    def wait_for_saves(self) -> None:
+        """Wait until the background cache work asked for so far is done (files written and
+        named, loaded caches' candidates built)."""
+        with self._saver_lock:
+            saver = self._saver if self._saver_pid == os.getpid() else None
+        if saver is not None:
+            saver.submit(lambda: None).result()
 
     def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]:
         """From the scope's `text` cache when it is exact (a search's pool costs no SQL); the
@@ -222,6 +379,8 @@ class SQLiteStore(SQLStore):
         """The slab's HNSW index, loaded from its file or built from the live rows, with the
         rows added since; built again once a quarter of it is dead (call with the lock held)."""
         index = slab.ann
+        if index is not None and slab.ann_at == slab.changes:
+            return index  # no row changed since it was brought up to date
         path = ann.file_for(self._ann_dir, key) if self._ann_dir is not None else None
         live = slab.live_rows()
         if index is not None:
@@ -238,10 +397,10 @@ class SQLiteStore(SQLStore):
                 index.save(path)
         new = live[slab.seqs[live] > index.max_seq]
         index.add(slab.seqs[new], slab.mat[new])
-        slab.ann = index
+        slab.ann, slab.ann_at = index, slab.changes
         return index
 
-    def _dense_ann(self, slab: Slab, index: ann.Ann, mask: np.ndarray, vector: np.ndarray,
+    def _dense_ann(self, slab: Slab, index: ann.Ann, vector: np.ndarray,
                    k: int, query: Query) -> list[tuple[str, float]] | None:
         """The best `k` visible memories among the index's nearest keys, scored exactly from
         the matrix; None when the visible ones are too few for the index to find them (a
@@ -251,12 +410,14 @@ class SQLiteStore(SQLStore):
             seqs = index.search(vector, count)
             pos, held = slab.rows_of(seqs)
             rows = pos[held]
-            rows = rows[mask[rows]]
+            rows = rows[slab.visible(query, rows)]  # of these rows only: not a scan of all
             sims = slab.mat[rows] @ vector
-            rows = slab.first_per_memory(rows[np.argsort(-sims, kind="stable")])
-            mids = slab.memory_ids
-            best = dict(zip([mids[r] for r in rows.tolist()], (slab.mat[rows] @ vector).tolist(),
-                            strict=True))
+            order = np.argsort(-sims, kind="stable")
+            rows, sims = rows[order], sims[order]
+            _, first = np.unique(slab.codes[rows], return_index=True)  # best key per memory
+            first.sort()
+            best = dict(zip(map(slab.memory_ids.__getitem__, rows[first].tolist()),
+                            sims[first].tolist(), strict=True))
             if query.conditions:
                 visible = self._visible(query, list(best))
                 best = {mid: s for mid, s in best.items() if mid in visible}
@@ -273,9 +434,8 @@ class SQLiteStore(SQLStore):
         if exact and k > 0 and slab.n > self.ann_threshold and ann.available():
             s = query.scope
             with self._slabs_lock:
-                mask = slab.visible(query)
                 index = self._ann(slab, (s.user_id, s.agent_id, s.session_id, key))
-                hits = self._dense_ann(slab, index, mask, vector, k, query)
+                hits = self._dense_ann(slab, index, vector, k, query)
             if hits is not None:
                 return hits
         if exact:
@@ -388,31 +548,20 @@ class SQLiteStore(SQLStore):
         return lex.dead_share() <= MAX_DEAD
 
     def _save_lexicon(self, lex: Lexicon) -> None:
-        """Write the index's file and name it in the database (its token in `meta.lex_file`),
-        the rename and the naming under the write lock: the file named is the last renamed,
-        and none is named once an erasure committed after this index was built. Never for an
-        encrypted database (the file would hold its words in clear)."""
+        """Save the index's file and name it in the database (`meta.lex_file`): `_save_cache`,
+        off the request path. Call with the lexicon's lock held: its state is taken now."""
         if self._lex_path is None or self._db.encrypted:
             return
-        token = secrets.randbits(62) + 1
-        tmp: Path | None = None
-        try:
-            tmp = lex.write(self._lex_path, token)
-            if tmp is None:
-                return
-            with self._db.transaction() as conn:
-                (erasures,), = conn.execute("SELECT value FROM meta WHERE name = 'erasures'")
-                if erasures != lex.erasures:
-                    return
-                tmp.replace(self._lex_path)
-                conn.execute("UPDATE meta SET value = ? WHERE name = 'lex_file'", (token,))
-            lex.saved = lex.version
-            log.info("saved the lexical index (%d rows) to %s", lex.count, self._lex_path)
-        except (OSError, StoreError) as exc:  # a cache: the next build or save tries again
-            log.warning("could not save the lexical index to %s: %s", self._lex_path, exc)
-        finally:
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
+        path, state = self._lex_path, lex.state()
+        lex.saved = lex.version  # saved, or not possible now: tried again once it moved on
+        if state is None:
+            return
+
+        def save() -> None:
+            if self._save_cache(path, "lex_file", state[0]["erasures"],
+                                lambda token: Lexicon.write(path, token, state)):
+                log.info("saved the lexical index (%d rows) to %s", state[0]["count"], path)
+        self._in_background(save)
 
     def _lexical_visible(self, query: Query, ids: list[str]) -> set[str]:
         """The ids `query` may see: from the `text` cache when it is exact (no SQL), else the
