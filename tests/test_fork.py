@@ -83,3 +83,22 @@ def test_forked_children_share_a_postgres_database_with_the_parent(
         mem.close()
         with pg_server.admin() as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def test_a_child_forked_while_a_parent_thread_held_the_caches_works(tmp_path: Path) -> None:
+    """A parent thread in the middle of a search (the lexical index's and the dense caches'
+    locks held) or of a cache save when the process forks: the child cannot wait for that
+    thread (it does not exist there), so it starts those caches afresh instead of hanging."""
+    mem = Memory(tmp_path / "m.db", embedder=MiniLM())
+    mem.add("the parent was here first", user_id="u")
+    assert mem.search("parent", user_id="u")
+    store = mem._engine.store
+    assert store._lex is not None  # the lexical index is in memory, as at every size
+    ctx = multiprocessing.get_context("fork")
+    with store._lex_lock, store._slabs_lock, store._saver_lock:  # as a parent thread would
+        children = [ctx.Process(target=_child, args=(mem, n)) for n in range(2)]
+        for c in children:
+            c.start()
+    _finish(children)
+    assert len(mem.search("child 1 remembers", user_id="u", limit=30)) >= 10  # the parent too
+    mem.close()

@@ -141,6 +141,27 @@ class Connections:
         # polls with sleeps of up to 100 ms (with 20 threads writing, that sleeping was most
         # of a service's add latency).
         self._writer = threading.RLock()  # reentrant: a nested BEGIN fails as SQLite says
+        self._held_for_fork = False  # `_writer`, taken by `_hold_for_fork`
+
+    def _hold_for_fork(self) -> None:
+        """Before a fork: wait for this process's write in progress to end (a cache save on
+        a store's own thread, say). SQLite's record of the locks its connections hold is
+        copied into the child, and a child forked in the middle of a write would find the
+        database locked by that write forever."""
+        self._held_for_fork = self._writer.acquire(timeout=self.busy_timeout_s)
+
+    def _release_after_fork(self) -> None:
+        if self._held_for_fork:
+            self._held_for_fork = False
+            self._writer.release()
+
+    def try_writer(self) -> bool:
+        """Take this process's write turn only if no other thread has it (release it with
+        `release_writer`): for writes not worth waiting for."""
+        return self._writer.acquire(blocking=False)
+
+    def release_writer(self) -> None:
+        self._writer.release()
 
     def _after_fork(self) -> None:
         """In a forked child: SQLite connections must not cross a fork (the parent's POSIX
@@ -241,9 +262,20 @@ _OPEN: weakref.WeakSet[Connections] = weakref.WeakSet()
 _ABANDONED: list[sqlite3.Connection] = []  # inherited over a fork: kept, never closed
 
 
+def _before_fork() -> None:
+    for connections in list(_OPEN):
+        connections._hold_for_fork()
+
+
+def _after_fork_in_parent() -> None:
+    for connections in list(_OPEN):
+        connections._release_after_fork()
+
+
 def _after_fork_in_child() -> None:
     for connections in list(_OPEN):
         connections._after_fork()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

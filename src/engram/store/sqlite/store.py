@@ -14,6 +14,7 @@ import secrets
 import sqlite3
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -86,6 +87,7 @@ class SQLiteStore(SQLStore):
         self._saver_pid = 0
         self._saver_lock = threading.Lock()
         self._closing = False
+        _STORES.add(self)
         schema.migrate(self._db)
         # lex_log is bounded once its horizon exists (always after `migrate`; the upgrade test
         # writes through a store it stopped at the first migration)
@@ -108,6 +110,18 @@ class SQLiteStore(SQLStore):
 
     def _reader(self) -> AbstractContextManager[Run]:
         return nullcontext(self._db.read)
+
+    def _after_fork(self) -> None:
+        """In a forked child. A lock that a parent thread held at the fork (a search, a cache
+        save) would never be released here, and what it guarded may be half-changed: such a
+        lock is replaced and its state dropped (loaded again on use). The saving thread stays
+        the parent's: `_in_background` starts the child's own."""
+        if self._lex_lock.locked():
+            self._lex_lock, self._lex = threading.Lock(), None
+        if self._slabs_lock.locked():
+            self._slabs_lock, self._slabs = threading.Lock(), OrderedDict()
+        if self._saver_lock.locked():
+            self._saver_lock = threading.Lock()
 
     def close(self) -> None:
         """Close the connections, after the cache files being saved are written."""
@@ -579,6 +593,9 @@ class SQLiteStore(SQLStore):
     def touch(self, ids: Sequence[str], at: datetime) -> None:
         if not ids:
             return
+        if not self._db.try_writer():  # another thread is writing: not worth a wait
+            log.debug("access tracking skipped: this process is writing")
+            return
         conn = self._db.get()
         try:
             conn.execute("PRAGMA busy_timeout = 20")
@@ -597,6 +614,7 @@ class SQLiteStore(SQLStore):
         finally:
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+            self._db.release_writer()
 
     def claim_job(self, now: datetime, lease_until: datetime) -> Job | None:
         d = self.dialect
@@ -710,6 +728,17 @@ class SQLiteTx(SQLTx):
             self._drop_index(chunk)
             self._exec(f"DELETE FROM events WHERE memory_id IN ({marks})", chunk)
             self._exec(f"DELETE FROM memories WHERE id IN ({marks})", chunk)
+
+
+_STORES: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def secure_fts_delete(db: Connections) -> None:
