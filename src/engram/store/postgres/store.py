@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -86,6 +87,7 @@ class PostgresStore(SQLStore):
                           wait_s=busy_timeout_s if pool_wait_s is None else pool_wait_s,
                           connect_timeout_s=connect_timeout_s)
         self._local = threading.local()  # .conn: this thread's open write
+        self._turns = _Turns()  # this process's writers of each tenant (shared by for_tenant)
         self._indexed: set[int] = set()  # dimensions known to have their HNSW index
         self._to_vacuum: set[str] = set()
         self._closed = False
@@ -184,19 +186,33 @@ class PostgresStore(SQLStore):
             except psycopg.Error as exc:
                 raise translate(exc) from exc
             return
-        # Pipeline mode: the transaction's statements go out without waiting for each reply
-        # (a read waits for what precedes it; an error surfaces by the end of the block, which
-        # then rolls back whole). An add writes several rows per memory: one round trip each
-        # made PostgreSQL's ingest about half SQLite's.
-        with self._transaction() as conn, conn.pipeline():
-            if serialize:
-                conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_WRITE_LOCK, self.tenant))
-            tx = PgTx(conn, self)
-            self._local.conn = conn
-            try:
-                yield tx
-            finally:
-                self._local.conn = None
+        # The writes of one tenant in this process take their turn here before they take a
+        # connection: writers queued on the advisory lock below each held one of the pool's
+        # connections, and under load the searches waited for them (bench/load.py: a third of
+        # a search's time). Across processes the advisory lock still decides.
+        turn = self._turns.lock(self.tenant) if serialize else None
+        if turn is not None and not turn.acquire(timeout=self.busy_timeout_s):
+            raise StoreBusy(f"another write of this tenant held its turn for {self.busy_timeout_s}s")
+        try:
+            # Pipeline mode (Pool.pipelined): the statements go out without waiting for each
+            # reply (a read waits for what precedes it; an error surfaces by the end of the
+            # block, which then rolls back whole), and the COMMIT goes with the last of them.
+            # The advisory lock is held from the first round trip after it to the commit: one
+            # reply to read in between for an add, not three (each a wake-up of a thread that
+            # competes for the cores and the GIL while every other writer of the tenant waits).
+            with self._pool.pipelined(self._setup) as conn:
+                if serialize:
+                    conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                                 (_WRITE_LOCK, self.tenant))
+                tx = PgTx(conn, self)
+                self._local.conn = conn
+                try:
+                    yield tx
+                finally:
+                    self._local.conn = None
+        finally:
+            if turn is not None:
+                turn.release()
         self._indexed |= tx.new_dims  # committed: the indexes exist for everyone now
         self._to_vacuum |= tx.erased_from
         self._analyze_after(tx.inserted)
@@ -554,6 +570,22 @@ class PostgresStore(SQLStore):
             log.warning("reclaim: %s", notice.message_primary)
 
 
+class _Turns:
+    """A lock per tenant: the writes of one tenant in this process, one at a time. A forked
+    child starts with none (a parent's thread may have held one)."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def lock(self, tenant: str) -> threading.Lock:
+        if self._pid != os.getpid():
+            self._pid, self._locks, self._guard = os.getpid(), {}, threading.Lock()
+        with self._guard:
+            return self._locks.setdefault(tenant, threading.Lock())
+
+
 def _versions(rows: Sequence[Any]) -> tuple[int, int]:
     """(keys_version, rows_version) from the rows of `sql.versions`."""
     found = dict(rows)
@@ -588,8 +620,12 @@ class PgTx(SQLTx):
     def _exec(self, stmt: str, params: Sequence[Any] = ()) -> None:
         self.conn.execute(stmt, params)
 
-    def _savepoint(self) -> AbstractContextManager[Any]:
-        return self.conn.transaction()  # a Conflict leaves the transaction usable
+    def put_job(self, job: Job) -> None:
+        """Sent without a savepoint and without waiting: in pipeline mode a savepoint costs two
+        round trips, and `put_job` ends an add, inside the tenant's turn. A taken key fails the
+        transaction when it commits (or reads next): `translate` makes that `Conflict`, and
+        every caller lets a Conflict end its write."""
+        self._exec(*r.upsert_job(self.dialect, self.tenant, job))
 
     def _document(self, record: MemoryRecord, lexical: Lexical) -> bm25.Document:
         return bm25.document(self.store._tokenizer, lexical.body, lexical.previous, record.scope)
@@ -630,15 +666,20 @@ class PgTx(SQLTx):
                                             sql.vector_array(oid, np.stack(vectors))))
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
-        rows = []
+        """One statement per dimension, the vectors in binary form: `executemany` waited for
+        its replies (a round trip inside the tenant's turn) and printed each vector as text."""
+        by_dim: dict[int, tuple[list[str], list[np.ndarray]]] = {}
         for key in keys:
             v = np.asarray(key.vector, dtype=np.float32).ravel()
             self._ensure_index(int(v.shape[0]))
-            rows.append((self.tenant, memory_id, key.name, int(v.shape[0]), sql.vector_literal(v)))
-        if rows:
-            with self.conn.cursor() as cur:
-                cur.executemany("INSERT INTO memory_keys (tenant, memory_id, kind, dim, vector) "
-                                "VALUES (%s, %s, %s, %s, %s::vector)", rows)
+            kinds, vectors = by_dim.setdefault(int(v.shape[0]), ([], []))
+            kinds.append(key.name)
+            vectors.append(v)
+        if by_dim:
+            oid = self.store._vector_oid(self.conn)
+            for dim, (kinds, vectors) in by_dim.items():
+                self._exec(*sql.insert_keys(self.tenant, dim, [memory_id] * len(kinds), kinds,
+                                            sql.vector_array(oid, np.stack(vectors))))
 
     def _ensure_index(self, dim: int) -> None:
         """The HNSW index of a new dimension, made in this transaction before its keys go in
