@@ -177,16 +177,19 @@ async def client(http: httpx2.AsyncClient, cid: int, until: float, think: float,
             req = http.post("/v1/memories/search", json={"query": " ".join(rng.sample(WORDS, 3)),
                                                          "user_id": user, "limit": 10})
         t0 = time.perf_counter()
+        why = ""
         try:
             r = await req
-            ok = r.status_code in (200, 201)
-        except httpx2.HTTPError:
-            ok = False
+            if r.status_code not in (200, 201):
+                why = f"{r.status_code} {r.text[:200]}"
+        except httpx2.HTTPError as exc:
+            why = repr(exc)
         elapsed = time.perf_counter() - t0
-        if ok:
+        if not why:
             out[op].append(elapsed)
         else:
             errors[op] += 1
+            print(f"{op} failed: {why}", file=sys.stderr)
         if think:
             await asyncio.sleep(rng.uniform(0.5 * think, 1.5 * think))
 

@@ -237,9 +237,9 @@ class Pool:
         finally:
             self._abandon(conn)
 
-    def batch(self, setup: Callable[[Connection], object], statements: Sequence[Stmt], *,
+    def batch(self, setup: Callable[[Connection], object] | None, statements: Sequence[Stmt], *,
               retry: bool = True) -> list[list[Any]]:
-        """Run `statements` in one fresh transaction (after `setup`), all sent at once in
+        """Run `statements` in one fresh transaction (after `setup`, if any), all sent at once in
         pipeline mode with the BEGIN and the COMMIT: one round trip to the server instead of
         one per statement. Returns the rows of each (none for a statement without any).
 
@@ -251,7 +251,8 @@ class Pool:
             try:
                 with conn.pipeline():
                     conn.execute("BEGIN")
-                    setup(conn)
+                    if setup is not None:
+                        setup(conn)
                     cursors = [conn.execute(sql, params) for sql, params in statements]
                     conn.execute("COMMIT")
                 rows = [cur.fetchall() if cur.description is not None else [] for cur in cursors]
