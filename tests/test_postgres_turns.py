@@ -1,0 +1,114 @@
+"""The writes of one tenant on PostgreSQL under concurrency (issue 13, the service under load):
+writers of a process wait for their turn without holding a connection, a write's statements
+go out pipelined and commit whole, and a forked child starts with no turn taken."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+
+from conformance.test_store import put, rec, vec
+from engram.errors import StoreError
+from engram.store import Key, Lexical
+from engram.store.postgres import PostgresStore
+
+
+@pytest.fixture
+def db(pg_server: Any) -> Any:
+    url = pg_server.url(pg_server.create_database())
+    yield url
+    with pg_server.admin() as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {url.split('/')[3].split('?')[0]} WITH (FORCE)")
+
+
+def test_writers_waiting_for_their_turn_leave_the_connections_to_readers(db: str) -> None:
+    """Two connections, one writer inside its write and three more queued behind it: a read
+    still gets a connection at once. Writers queued on the database's lock each held one, and
+    the reads of a busy service waited for them."""
+    store = PostgresStore(db, max_connections=2, pool_wait_s=1.0)
+    try:
+        put(store, rec("seed"))  # the dimension's index exists: no writer makes it
+        inside, release = threading.Event(), threading.Event()
+        first = rec("first")
+        queued = [rec(f"queued {i}") for i in range(3)]
+        errors: list[BaseException] = []
+
+        def hold() -> None:
+            try:
+                with store.write() as tx:
+                    tx.insert(first, [Key("text", vec(1, 0))], Lexical(first.text))
+                    inside.set()
+                    release.wait(10)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+                inside.set()
+
+        def write(r: Any) -> None:
+            try:
+                put(store, r)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=hold)]
+        threads[0].start()
+        assert inside.wait(10)
+        threads += [threading.Thread(target=write, args=(r,)) for r in queued]
+        for t in threads[1:]:
+            t.start()
+        try:
+            # the queued writers are waiting; a read finds the second connection free
+            assert store.get([first.id]) == {}  # not committed yet
+        finally:
+            release.set()
+            for t in threads:
+                t.join(30)
+        assert not errors
+        assert set(store.get([first.id, *(r.id for r in queued)])) == {
+            first.id, *(r.id for r in queued)}
+    finally:
+        store.close()
+
+
+def test_a_write_reads_its_own_statements_and_an_error_after_leaves_nothing(db: str) -> None:
+    """Pipelined: a read inside the write sees what the write sent before it; a statement that
+    fails after it, or an exception in the block, rolls the whole transaction back."""
+    store = PostgresStore(db)
+    try:
+        put(store, rec("seed"))
+        a, b = rec("a"), rec("b")
+        with pytest.raises(StoreError), store.write() as tx:
+            tx.insert(a, [Key("text", vec(1, 0))], Lexical(a.text))
+            assert set(store.get([a.id])) == {a.id}  # through the write's own transaction
+            tx.insert(a, [Key("text", vec(1, 0))], Lexical(a.text))  # the same id again
+        with pytest.raises(RuntimeError), store.write() as tx:
+            tx.insert(b, [Key("text", vec(0, 1))], Lexical(b.text))
+            raise RuntimeError("the caller gives up")
+        assert store.get([a.id, b.id]) == {}
+        with store.write() as tx:  # and the connections are fine for the next write
+            tx.insert(a, [Key("text", vec(1, 0))], Lexical(a.text))
+        assert set(store.get([a.id])) == {a.id}
+    finally:
+        store.close()
+
+
+def test_a_forked_child_starts_with_no_turn_taken(db: str) -> None:
+    store = PostgresStore(db, busy_timeout_s=1.0)
+    try:
+        turn = store._turns.lock(store.tenant)
+        with turn:  # a parent's thread is writing when the child is forked
+            pid = os.fork()
+            if pid == 0:  # the child: its own turns, and it can write
+                code = 1
+                try:
+                    r = rec("from the child")
+                    put(store, r)
+                    code = 0 if set(store.get([r.id])) == {r.id} else 2
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        store.close()
