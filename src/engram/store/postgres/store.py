@@ -107,6 +107,7 @@ class PostgresStore(SQLStore):
         self._refresh_lock = threading.Lock()  # one refresh at a time: it appends by seq
         self._large: dict[tuple[Any, ...], bool] = {}  # scopes known to exceed cache_limit
         self._seen: dict[str, tuple[int, int]] = {}    # per tenant, the versions last read
+        self._moving: dict[str, bool] = {}  # per tenant, whether they had changed (`_ahead`)
         try:
             self._iterative = schema.migrate(self._transaction) >= (0, 8)  # iterative index scans
         except BaseException:
@@ -356,12 +357,22 @@ class PostgresStore(SQLStore):
         statements = [sql.versions(self.tenant)]
         if phrases:
             statements.append(sql.lexical(self.tenant, query, phrases, k, previous_weight))
+        v = None if vector is None or not keys else np.asarray(vector, dtype=np.float32).ravel()
+        dim = 0 if v is None else int(v.shape[0])
+        ahead = {} if v is None else self._ahead(query.scope, keys, dim)
+        for name, (tomb, seq, rich) in ahead.items():
+            statements += [sql.tombstones(self.tenant, tomb),
+                           sql.new_keys(self.tenant, query.scope, name, dim, seq, rich)]
         rows = self._batch(statements)
-        versions = self._seen[self.tenant] = _versions(rows[0])  # what `candidates` trusts next
+        versions = _versions(rows[0])
+        self._moving[self.tenant] = versions != self._seen.get(self.tenant)
+        self._seen[self.tenant] = versions  # what `candidates` trusts next
         found: dict[str, list[tuple[str, float]]] = {}
-        if vector is not None and keys:
-            v = np.asarray(vector, dtype=np.float32).ravel()
-            slabs = self._cache(query.scope, keys, int(v.shape[0]), versions)
+        if v is not None:
+            at = 2 if phrases else 1
+            fetched = {name: (tomb, seq, rows[at + 2 * i], rows[at + 2 * i + 1])
+                       for i, (name, (tomb, seq, _)) in enumerate(ahead.items())}
+            slabs = self._cache(query.scope, keys, dim, versions, fetched)
             for key in keys:
                 slab = slabs.get(key)
                 if slab is None:
@@ -378,11 +389,29 @@ class PostgresStore(SQLStore):
     def _slab_key(self, scope: Scope, key_name: str) -> tuple[Any, ...]:
         return (self.tenant, scope.user_id, scope.agent_id, scope.session_id, key_name)
 
-    def _cache(self, scope: Scope, names: Sequence[str], dim: int,
-               versions: tuple[int, int]) -> dict[str, Slab]:
+    def _ahead(self, scope: Scope, names: Sequence[str], dim: int) -> dict[str, tuple[int, int, bool]]:
+        """While the tenant's data is moving (its versions changed at the last search), the
+        slabs a search will likely find stale, each with the tombstone and seq its refresh
+        starts after (and whether it is rich): `pool` reads their tombstones and new keys in
+        its first round trip, after the versions (so they are at least as new), instead of in
+        a second one. Under a steady stream of adds every search used to make that second
+        round trip."""
+        if not self._moving.get(self.tenant):
+            return {}
+        out = {}
+        with self._slabs_lock:
+            for name in names:
+                slab = self._slabs.get(self._slab_key(scope, name))
+                if slab is not None and slab.version >= 0 and slab.tomb_max >= 0 \
+                        and slab.mat.shape[1] == dim:
+                    out[name] = (slab.tomb_max, slab.max_seq, slab.rich)
+        return out
+
+    def _cache(self, scope: Scope, names: Sequence[str], dim: int, versions: tuple[int, int],
+               fetched: Fetched | None = None) -> dict[str, Slab]:
         """The scope's slab of each key name, exact as of `versions` or later; a name is left
         out where the scope holds more than `cache_limit` keys. Stale slabs are refreshed
-        together, in one round trip."""
+        together, in one round trip, or none with what `fetched` holds (see `_ahead`)."""
         self._seen[self.tenant] = versions
         wanted = {name: self._slab_key(scope, name) for name in names}
         wanted = {name: key for name, key in wanted.items() if not self._large.get(key)}
@@ -396,15 +425,17 @@ class PostgresStore(SQLStore):
         if len(fresh) < len(wanted):
             with self._refresh_lock:  # another thread may have refreshed them meanwhile
                 fresh = self._refresh(scope, {n: wanted[n] for n in wanted if n not in fresh},
-                                      dim, versions) | fresh
+                                      dim, versions, fetched or {}) | fresh
         return fresh
 
     def _refresh(self, scope: Scope, wanted: dict[str, tuple[Any, ...]], dim: int,
-                 versions: tuple[int, int]) -> dict[str, Slab]:
+                 versions: tuple[int, int], fetched: Fetched) -> dict[str, Slab]:
         """Bring the slabs of `wanted` up to `versions`: new ones are counted first (a scope
         too large to cache is never loaded), then, in one batch per refresh, each slab's
         tombstones before its new keys (a key deleted in between is either not loaded or
-        leaves a tombstone read next time) and, if rows changed, every row's attributes."""
+        leaves a tombstone read next time) and, if rows changed, every row's attributes.
+        A slab's tombstones and new keys already `fetched` are used if they start where the
+        slab still ends (no other thread refreshed it meanwhile) and no row changed."""
         t = self.tenant
         with self._slabs_lock:
             slabs = {}
@@ -427,7 +458,13 @@ class PostgresStore(SQLStore):
         reattr = {name: slab.version >= 0 and slab.rows_version != versions[1]
                   for name, slab in stale.items()}
         statements = []
+        ready: dict[str, tuple[list[Any], list[Any]]] = {}
         for name, slab in stale.items():
+            got = fetched.get(name)
+            if got is not None and not reattr[name] and slab.version >= 0 \
+                    and (got[0], got[1]) == (slab.tomb_max, slab.max_seq):
+                ready[name] = (got[2], got[3])
+                continue
             statements += [sql.tombstones(t, slab.tomb_max),
                            sql.new_keys(t, scope, name, dim, slab.max_seq, slab.rich)]
             if reattr[name]:
@@ -435,7 +472,7 @@ class PostgresStore(SQLStore):
         results = iter(self._batch(statements) if statements else [])
         with self._slabs_lock:
             for name, slab in stale.items():
-                dead, added = next(results), next(results)
+                dead, added = ready[name] if name in ready else (next(results), next(results))
                 attrs = next(results) if reattr[name] else None
                 if slab.tomb_max < 0:
                     slab.tomb_max = dead[0][0]
@@ -568,6 +605,10 @@ class PostgresStore(SQLStore):
             self._pool.release(conn)
         for notice in skipped:
             log.warning("reclaim: %s", notice.message_primary)
+
+
+# Per key name: the tombstone and seq a slab's refresh was read after, its tombstones, its new keys
+Fetched = dict[str, tuple[int, int, list[Any], list[Any]]]
 
 
 class _Turns:

@@ -1,6 +1,7 @@
-"""The writes of one tenant on PostgreSQL under concurrency (issue 13, the service under load):
-writers of a process wait for their turn without holding a connection, a write's statements
-go out pipelined and commit whole, and a forked child starts with no turn taken."""
+"""PostgreSQL under concurrent adds and searches (issue 13, the service under load): writers
+of a process wait for their turn without holding a connection, a write's statements go out
+pipelined and commit whole, a forked child starts with no turn taken, and a search after
+another process's write refreshes its cache in its first round trip."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from typing import Any
 
 import pytest
 
-from conformance.test_store import put, rec, vec
+import numpy as np
+
+from conformance.test_store import NOW, put, q, rec, vec
 from engram.errors import StoreError
+from engram.model import Scope
 from engram.store import Key, Lexical
 from engram.store.postgres import PostgresStore
 
@@ -112,3 +116,45 @@ def test_a_forked_child_starts_with_no_turn_taken(db: str) -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         store.close()
+
+
+def test_a_search_after_another_writer_refreshes_its_cache_in_its_first_round_trip(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a stream of adds, the versions have moved at nearly every search: the cached
+    slabs' tombstones and new keys ride with the versions and BM25 (one round trip, not two),
+    and the hits are those of a search in the database."""
+    writer, cached, tables = (PostgresStore(db), PostgresStore(db), PostgresStore(db, cache_limit=0))
+    calls: list[int] = []
+    real = PostgresStore._batch
+
+    def counted(self: PostgresStore, statements: Any, **kw: Any) -> Any:
+        if self is cached:
+            calls.append(len(statements))
+        return real(self, statements, **kw)
+
+    def search(store: PostgresStore, probe: np.ndarray) -> list[tuple[str, float]]:
+        return store.pool(q(Scope("u1")), 10, vector=probe, keys=["text"], terms=["note"])["text"]
+
+    try:
+        rng = np.random.default_rng(5)
+        vectors = rng.normal(size=(20, 8)).astype(np.float32)
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        records = [rec(f"note {i}") for i in range(20)]
+        put(writer, *records[:10], vectors=list(vectors[:10]))
+        search(cached, vectors[0])  # loads the slab
+        monkeypatch.setattr(PostgresStore, "_batch", counted)
+        for i in range(10, 20):
+            put(writer, records[i], vectors=[vectors[i]])
+            if i % 3 == 0:  # and a delete: a tombstone to apply
+                with writer.write() as tx:
+                    tx.soft_delete([records[i - 10].id], NOW)
+            calls.clear()
+            got, want = search(cached, vectors[i]), search(tables, vectors[i])
+            assert [m for m, _ in got] == [m for m, _ in want]
+            assert np.allclose([s for _, s in got], [s for _, s in want], atol=1e-6)
+            assert got[0][0] == records[i].id
+            # a delete changed a row, which reloads the slab's attributes (a second round trip)
+            assert len(calls) == (1 if i % 3 else 2)
+    finally:
+        for s in (writer, cached, tables):
+            s.close()
