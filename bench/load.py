@@ -273,9 +273,17 @@ def main() -> None:
     for backend in backends:
         with tempfile.TemporaryDirectory(prefix=f"engram-load-{backend}-") as tmp, \
                 service(backend, Path(tmp), free_port(), args.workers) as (base, key, pid, db_pid):
-            result = {"backend": backend, **asyncio.run(run(base, key, pid, db_pid, args))}
+            try:
+                result = {"backend": backend, **asyncio.run(run(base, key, pid, db_pid, args))}
+            finally:  # kept: what the service logged (why a request failed)
+                log = Path(tmp) / "server.log"
+                if log.exists():
+                    (RESULTS / f"{backend}-server.log").write_bytes(log.read_bytes())
         print(json.dumps(result))
         (RESULTS / f"{backend}.json").write_text(json.dumps(result, indent=2) + "\n")
+        if result["add"]["errors"] or result["search"]["errors"]:
+            print(f"requests failed: the service's log is {RESULTS / f'{backend}-server.log'}",
+                  file=sys.stderr)
         for op in ("add", "search"):
             r = result[op]
             print(f"{backend:8} {op:6} n={r['requests']:5} {r['per_s']:6.1f}/s  p50 {r['p50_ms']:7.1f} ms"
