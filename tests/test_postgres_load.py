@@ -9,9 +9,8 @@ import os
 import threading
 from typing import Any
 
-import pytest
-
 import numpy as np
+import pytest
 
 from conformance.test_store import NOW, put, q, rec, vec
 from engram.errors import StoreError

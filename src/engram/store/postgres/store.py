@@ -199,8 +199,9 @@ class PostgresStore(SQLStore):
             # reply (a read waits for what precedes it; an error surfaces by the end of the
             # block, which then rolls back whole), and the COMMIT goes with the last of them.
             # The advisory lock is held from the first round trip after it to the commit: one
-            # reply to read in between for an add, not three (each a wake-up of a thread that
-            # competes for the cores and the GIL while every other writer of the tenant waits).
+            # reply to read in between for an add, not six (each a wake-up of a thread that
+            # competes for the cores and the GIL while every other writer of the tenant waits;
+            # docs/postgres.md, "Concurrency").
             with self._pool.pipelined(self._setup) as conn:
                 if serialize:
                     conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
