@@ -197,7 +197,11 @@ async def client(http: httpx2.AsyncClient, cid: int, until: float, think: float,
 async def run(base: str, key: str, pid: int, db_pid: int | None,
               args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(7)
-    limits = httpx2.Limits(max_connections=args.clients + 10, max_keepalive_connections=args.clients + 10)
+    # Idle connections are dropped after 4 s, before the service's (uvicorn's 5 s): with both at
+    # 5 s, a connection idle that long could be reused just as the service closed it, and the
+    # request failed (ReadError) through no fault of the service.
+    limits = httpx2.Limits(max_connections=args.clients + 10, max_keepalive_connections=args.clients + 10,
+                           keepalive_expiry=4.0)
     async with httpx2.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {key}"},
                                   timeout=60, limits=limits) as http:
         t0 = time.perf_counter()
