@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -157,3 +158,42 @@ def test_a_search_after_another_writer_refreshes_its_cache_in_its_first_round_tr
     finally:
         for s in (writer, cached, tables):
             s.close()
+
+
+def test_writers_of_a_process_get_their_turn_in_the_order_they_came(db: str) -> None:
+    """A writer that has waited is not overtaken by one that came later; one that gives up
+    (its busy timeout) leaves the queue, and the next one is served."""
+    store = PostgresStore(db, busy_timeout_s=0.3)
+    try:
+        turn = store._turns.lock(store.tenant)
+        order: list[int] = []
+        started = []
+        with turn:
+            threads = []
+            for i in range(5):
+                ready = threading.Event()
+                started.append(ready)
+
+                def take(i: int = i, ready: threading.Event = ready) -> None:
+                    ready.set()
+                    with turn:
+                        order.append(i)
+
+                threads.append(threading.Thread(target=take))
+                threads[-1].start()
+                ready.wait(5)
+                # queued before the next one starts (it is waiting, or about to)
+                deadline = time.monotonic() + 5
+                while len(turn._waiting) < i + 1 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            assert not turn.acquire(timeout=0.05)  # busy: a caller with a short wait gives up
+            assert len(turn._waiting) == 5  # and leaves the queue
+        for t in threads:
+            t.join(10)
+        assert order == [0, 1, 2, 3, 4]
+        with store.write() as tx:  # the turn is free again for the store's writes
+            r = rec("after")
+            tx.insert(r, [Key("text", vec(1, 0))], Lexical(r.text))
+        assert set(store.get([r.id])) == {r.id}
+    finally:
+        store.close()
