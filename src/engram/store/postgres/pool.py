@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
 import psycopg
@@ -16,16 +16,22 @@ from psycopg import errors as pgerr
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 
-from ...errors import EngramError, InvalidInput, StoreBusy, StoreError, StoreUnavailable
+from ...errors import Conflict, EngramError, InvalidInput, StoreBusy, StoreError, StoreUnavailable
 
 Connection = psycopg.Connection[Any]
 Stmt = tuple[str, Sequence[Any]]
+JOB_KEY = "jobs_tenant_key_key"  # PostgreSQL's name for the jobs table's UNIQUE (tenant, key)
 
 
 def translate(exc: psycopg.Error) -> EngramError:
     """The engram error a caller can act on, for a database error (the transaction is gone)."""
     if isinstance(exc, pgerr.LockNotAvailable | pgerr.DeadlockDetected | pgerr.SerializationFailure):
         return StoreBusy(f"the database stayed locked: {exc}")
+    if isinstance(exc, pgerr.UniqueViolation) and exc.diag.constraint_name == JOB_KEY:
+        # PgTx.put_job: the key of a job is taken (the transaction is gone, as for a caller
+        # that catches Conflict: each lets it end its write)
+        return Conflict(f"the idempotency key is already used by another job "
+                        f"({exc.diag.message_detail})")
     if isinstance(exc, pgerr.QueryCanceled):
         return StoreError(f"a statement ran past the statement timeout: {exc}")
     if isinstance(exc, psycopg.OperationalError):  # connection refused, lost, server shut down
@@ -189,9 +195,51 @@ class Pool:
         finally:
             self.release(conn)
 
-    def batch(self, setup: Callable[[Connection], object], statements: Sequence[Stmt], *,
+    @contextmanager
+    def pipelined(self, setup: Callable[[Connection], object]) -> Iterator[Connection]:
+        """A pooled connection in pipeline mode inside a fresh transaction (after `setup`),
+        committed when the block ends. The BEGIN and `setup` go out together (a stale idle
+        connection is replaced once, as in `transaction`); after that a statement waits for no
+        reply unless its rows are read, and the COMMIT leaves with the block's last statements:
+        a write that reads once costs two round trips after the BEGIN, not one per statement
+        plus the commit's. An error surfaces by the end of the block, which then rolls back
+        whole. Database errors leave as engram errors (`translate`)."""
+        for attempt in (0, 1):
+            conn = self.acquire()
+            stack = ExitStack()
+            try:
+                pipe = stack.enter_context(conn.pipeline())
+                conn.execute("BEGIN")
+                setup(conn)
+                pipe.sync()
+                break
+            except BaseException as exc:
+                with suppress(Exception):
+                    stack.close()
+                self.release(conn, discard=True)
+                if not isinstance(exc, psycopg.Error):
+                    raise
+                if (attempt == 1 or not isinstance(exc, psycopg.OperationalError)
+                        or isinstance(exc, pgerr.QueryCanceled | pgerr.LockNotAvailable)):
+                    raise translate(exc) from exc
+                self.drop_idle()  # the server probably restarted: so are the others
+        try:
+            try:
+                yield conn
+                conn.execute("COMMIT")
+                stack.close()  # the last sync: what the block sent since its last read, and COMMIT
+            except BaseException as exc:
+                # the statements queued so far run (their errors ignored), then the rollback
+                stack.__exit__(type(exc), exc, exc.__traceback__)
+                raise
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+        finally:
+            self._abandon(conn)
+
+    def batch(self, setup: Callable[[Connection], object] | None, statements: Sequence[Stmt], *,
               retry: bool = True) -> list[list[Any]]:
-        """Run `statements` in one fresh transaction (after `setup`), all sent at once in
+        """Run `statements` in one fresh transaction (after `setup`, if any), all sent at once in
         pipeline mode with the BEGIN and the COMMIT: one round trip to the server instead of
         one per statement. Returns the rows of each (none for a statement without any).
 
@@ -203,7 +251,8 @@ class Pool:
             try:
                 with conn.pipeline():
                     conn.execute("BEGIN")
-                    setup(conn)
+                    if setup is not None:
+                        setup(conn)
                     cursors = [conn.execute(sql, params) for sql, params in statements]
                     conn.execute("COMMIT")
                 rows = [cur.fetchall() if cur.description is not None else [] for cur in cursors]

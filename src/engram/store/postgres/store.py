@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
@@ -86,6 +87,7 @@ class PostgresStore(SQLStore):
                           wait_s=busy_timeout_s if pool_wait_s is None else pool_wait_s,
                           connect_timeout_s=connect_timeout_s)
         self._local = threading.local()  # .conn: this thread's open write
+        self._turns = _Turns()  # this process's writers of each tenant (shared by for_tenant)
         self._indexed: set[int] = set()  # dimensions known to have their HNSW index
         self._to_vacuum: set[str] = set()
         self._closed = False
@@ -105,6 +107,7 @@ class PostgresStore(SQLStore):
         self._refresh_lock = threading.Lock()  # one refresh at a time: it appends by seq
         self._large: dict[tuple[Any, ...], bool] = {}  # scopes known to exceed cache_limit
         self._seen: dict[str, tuple[int, int]] = {}    # per tenant, the versions last read
+        self._moving: dict[str, bool] = {}  # per tenant, whether they had changed (`_ahead`)
         try:
             self._iterative = schema.migrate(self._transaction) >= (0, 8)  # iterative index scans
         except BaseException:
@@ -184,19 +187,34 @@ class PostgresStore(SQLStore):
             except psycopg.Error as exc:
                 raise translate(exc) from exc
             return
-        # Pipeline mode: the transaction's statements go out without waiting for each reply
-        # (a read waits for what precedes it; an error surfaces by the end of the block, which
-        # then rolls back whole). An add writes several rows per memory: one round trip each
-        # made PostgreSQL's ingest about half SQLite's.
-        with self._transaction() as conn, conn.pipeline():
-            if serialize:
-                conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (_WRITE_LOCK, self.tenant))
-            tx = PgTx(conn, self)
-            self._local.conn = conn
-            try:
-                yield tx
-            finally:
-                self._local.conn = None
+        # The writes of one tenant in this process take their turn here before they take a
+        # connection: writers queued on the advisory lock below each held one of the pool's
+        # connections, and under load the searches waited for them (bench/load.py: a third of
+        # a search's time). Across processes the advisory lock still decides.
+        turn = self._turns.lock(self.tenant) if serialize else None
+        if turn is not None and not turn.acquire(timeout=self.busy_timeout_s):
+            raise StoreBusy(f"another write of this tenant held its turn for {self.busy_timeout_s}s")
+        try:
+            # Pipeline mode (Pool.pipelined): the statements go out without waiting for each
+            # reply (a read waits for what precedes it; an error surfaces by the end of the
+            # block, which then rolls back whole), and the COMMIT goes with the last of them.
+            # The advisory lock is held from the first round trip after it to the commit: one
+            # reply to read in between for an add, not six (each a wake-up of a thread that
+            # competes for the cores and the GIL while every other writer of the tenant waits;
+            # docs/postgres.md, "Concurrency").
+            with self._pool.pipelined(self._setup) as conn:
+                if serialize:
+                    conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
+                                 (_WRITE_LOCK, self.tenant))
+                tx = PgTx(conn, self)
+                self._local.conn = conn
+                try:
+                    yield tx
+                finally:
+                    self._local.conn = None
+        finally:
+            if turn is not None:
+                turn.release()
         self._indexed |= tx.new_dims  # committed: the indexes exist for everyone now
         self._to_vacuum |= tx.erased_from
         self._analyze_after(tx.inserted)
@@ -340,12 +358,22 @@ class PostgresStore(SQLStore):
         statements = [sql.versions(self.tenant)]
         if phrases:
             statements.append(sql.lexical(self.tenant, query, phrases, k, previous_weight))
+        v = None if vector is None or not keys else np.asarray(vector, dtype=np.float32).ravel()
+        dim = 0 if v is None else int(v.shape[0])
+        ahead = {} if v is None else self._ahead(query.scope, keys, dim)
+        for name, (tomb, seq, rich) in ahead.items():
+            statements += [sql.tombstones(self.tenant, tomb),
+                           sql.new_keys(self.tenant, query.scope, name, dim, seq, rich)]
         rows = self._batch(statements)
-        versions = self._seen[self.tenant] = _versions(rows[0])  # what `candidates` trusts next
+        versions = _versions(rows[0])
+        self._moving[self.tenant] = versions != self._seen.get(self.tenant)
+        self._seen[self.tenant] = versions  # what `candidates` trusts next
         found: dict[str, list[tuple[str, float]]] = {}
-        if vector is not None and keys:
-            v = np.asarray(vector, dtype=np.float32).ravel()
-            slabs = self._cache(query.scope, keys, int(v.shape[0]), versions)
+        if v is not None:
+            at = 2 if phrases else 1
+            fetched = {name: (tomb, seq, rows[at + 2 * i], rows[at + 2 * i + 1])
+                       for i, (name, (tomb, seq, _)) in enumerate(ahead.items())}
+            slabs = self._cache(query.scope, keys, dim, versions, fetched)
             for key in keys:
                 slab = slabs.get(key)
                 if slab is None:
@@ -362,11 +390,29 @@ class PostgresStore(SQLStore):
     def _slab_key(self, scope: Scope, key_name: str) -> tuple[Any, ...]:
         return (self.tenant, scope.user_id, scope.agent_id, scope.session_id, key_name)
 
-    def _cache(self, scope: Scope, names: Sequence[str], dim: int,
-               versions: tuple[int, int]) -> dict[str, Slab]:
+    def _ahead(self, scope: Scope, names: Sequence[str], dim: int) -> dict[str, tuple[int, int, bool]]:
+        """While the tenant's data is moving (its versions changed at the last search), the
+        slabs a search will likely find stale, each with the tombstone and seq its refresh
+        starts after (and whether it is rich): `pool` reads their tombstones and new keys in
+        its first round trip, after the versions (so they are at least as new), instead of in
+        a second one. Under a steady stream of adds every search used to make that second
+        round trip."""
+        if not self._moving.get(self.tenant):
+            return {}
+        out = {}
+        with self._slabs_lock:
+            for name in names:
+                slab = self._slabs.get(self._slab_key(scope, name))
+                if slab is not None and slab.version >= 0 and slab.tomb_max >= 0 \
+                        and slab.mat.shape[1] == dim:
+                    out[name] = (slab.tomb_max, slab.max_seq, slab.rich)
+        return out
+
+    def _cache(self, scope: Scope, names: Sequence[str], dim: int, versions: tuple[int, int],
+               fetched: Fetched | None = None) -> dict[str, Slab]:
         """The scope's slab of each key name, exact as of `versions` or later; a name is left
         out where the scope holds more than `cache_limit` keys. Stale slabs are refreshed
-        together, in one round trip."""
+        together, in one round trip, or none with what `fetched` holds (see `_ahead`)."""
         self._seen[self.tenant] = versions
         wanted = {name: self._slab_key(scope, name) for name in names}
         wanted = {name: key for name, key in wanted.items() if not self._large.get(key)}
@@ -380,15 +426,17 @@ class PostgresStore(SQLStore):
         if len(fresh) < len(wanted):
             with self._refresh_lock:  # another thread may have refreshed them meanwhile
                 fresh = self._refresh(scope, {n: wanted[n] for n in wanted if n not in fresh},
-                                      dim, versions) | fresh
+                                      dim, versions, fetched or {}) | fresh
         return fresh
 
     def _refresh(self, scope: Scope, wanted: dict[str, tuple[Any, ...]], dim: int,
-                 versions: tuple[int, int]) -> dict[str, Slab]:
+                 versions: tuple[int, int], fetched: Fetched) -> dict[str, Slab]:
         """Bring the slabs of `wanted` up to `versions`: new ones are counted first (a scope
         too large to cache is never loaded), then, in one batch per refresh, each slab's
         tombstones before its new keys (a key deleted in between is either not loaded or
-        leaves a tombstone read next time) and, if rows changed, every row's attributes."""
+        leaves a tombstone read next time) and, if rows changed, every row's attributes.
+        A slab's tombstones and new keys already `fetched` are used if they start where the
+        slab still ends (no other thread refreshed it meanwhile) and no row changed."""
         t = self.tenant
         with self._slabs_lock:
             slabs = {}
@@ -411,7 +459,13 @@ class PostgresStore(SQLStore):
         reattr = {name: slab.version >= 0 and slab.rows_version != versions[1]
                   for name, slab in stale.items()}
         statements = []
+        ready: dict[str, tuple[list[Any], list[Any]]] = {}
         for name, slab in stale.items():
+            got = fetched.get(name)
+            if got is not None and not reattr[name] and slab.version >= 0 \
+                    and (got[0], got[1]) == (slab.tomb_max, slab.max_seq):
+                ready[name] = (got[2], got[3])
+                continue
             statements += [sql.tombstones(t, slab.tomb_max),
                            sql.new_keys(t, scope, name, dim, slab.max_seq, slab.rich)]
             if reattr[name]:
@@ -419,7 +473,7 @@ class PostgresStore(SQLStore):
         results = iter(self._batch(statements) if statements else [])
         with self._slabs_lock:
             for name, slab in stale.items():
-                dead, added = next(results), next(results)
+                dead, added = ready[name] if name in ready else (next(results), next(results))
                 attrs = next(results) if reattr[name] else None
                 if slab.tomb_max < 0:
                     slab.tomb_max = dead[0][0]
@@ -554,6 +608,70 @@ class PostgresStore(SQLStore):
             log.warning("reclaim: %s", notice.message_primary)
 
 
+# Per key name: the tombstone and seq a slab's refresh was read after, its tombstones, its new keys
+Fetched = dict[str, tuple[int, int, list[Any], list[Any]]]
+
+
+class _Turn:
+    """A lock handed to its waiters in the order they came, as PostgreSQL's lock queue serves
+    them (a plain lock lets a newcomer overtake a writer that has waited long: the tail of the
+    adds' latency)."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._busy = False
+        self._waiting: deque[threading.Event] = deque()
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        """True once this thread holds the turn; False after `timeout` seconds (None: never)."""
+        with self._guard:
+            if not self._busy:
+                self._busy = True
+                return True
+            mine = threading.Event()
+            self._waiting.append(mine)
+        if mine.wait(timeout):
+            return True
+        with self._guard:
+            if mine.is_set():  # handed over just as the wait ended
+                return True
+            self._waiting.remove(mine)
+            return False
+
+    def release(self) -> None:
+        with self._guard:
+            if self._waiting:
+                self._waiting.popleft().set()  # still busy: the next writer holds it now
+            else:
+                self._busy = False
+
+    def __enter__(self) -> _Turn:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _Turns:
+    """A turn per tenant: the writes of one tenant in this process, one at a time. A forked
+    child starts with none (a parent's thread may have held one)."""
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._turns: dict[str, _Turn] = {}
+        self._guard = threading.Lock()
+
+    def lock(self, tenant: str) -> _Turn:
+        if self._pid != os.getpid():
+            self._pid, self._turns, self._guard = os.getpid(), {}, threading.Lock()
+        with self._guard:
+            turn = self._turns.get(tenant)
+            if turn is None:
+                turn = self._turns[tenant] = _Turn()
+            return turn
+
+
 def _versions(rows: Sequence[Any]) -> tuple[int, int]:
     """(keys_version, rows_version) from the rows of `sql.versions`."""
     found = dict(rows)
@@ -588,8 +706,12 @@ class PgTx(SQLTx):
     def _exec(self, stmt: str, params: Sequence[Any] = ()) -> None:
         self.conn.execute(stmt, params)
 
-    def _savepoint(self) -> AbstractContextManager[Any]:
-        return self.conn.transaction()  # a Conflict leaves the transaction usable
+    def put_job(self, job: Job) -> None:
+        """Sent without a savepoint and without waiting: in pipeline mode a savepoint costs two
+        round trips, and `put_job` ends an add, inside the tenant's turn. A taken key fails the
+        transaction when it commits (or reads next): `translate` makes that `Conflict`, and
+        every caller lets a Conflict end its write."""
+        self._exec(*r.upsert_job(self.dialect, self.tenant, job))
 
     def _document(self, record: MemoryRecord, lexical: Lexical) -> bm25.Document:
         return bm25.document(self.store._tokenizer, lexical.body, lexical.previous, record.scope)
@@ -630,15 +752,20 @@ class PgTx(SQLTx):
                                             sql.vector_array(oid, np.stack(vectors))))
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
-        rows = []
+        """One statement per dimension, the vectors in binary form: `executemany` waited for
+        its replies (a round trip inside the tenant's turn) and printed each vector as text."""
+        by_dim: dict[int, tuple[list[str], list[np.ndarray]]] = {}
         for key in keys:
             v = np.asarray(key.vector, dtype=np.float32).ravel()
             self._ensure_index(int(v.shape[0]))
-            rows.append((self.tenant, memory_id, key.name, int(v.shape[0]), sql.vector_literal(v)))
-        if rows:
-            with self.conn.cursor() as cur:
-                cur.executemany("INSERT INTO memory_keys (tenant, memory_id, kind, dim, vector) "
-                                "VALUES (%s, %s, %s, %s, %s::vector)", rows)
+            kinds, vectors = by_dim.setdefault(int(v.shape[0]), ([], []))
+            kinds.append(key.name)
+            vectors.append(v)
+        if by_dim:
+            oid = self.store._vector_oid(self.conn)
+            for dim, (kinds, vectors) in by_dim.items():
+                self._exec(*sql.insert_keys(self.tenant, dim, [memory_id] * len(kinds), kinds,
+                                            sql.vector_array(oid, np.stack(vectors))))
 
     def _ensure_index(self, dim: int) -> None:
         """The HNSW index of a new dimension, made in this transaction before its keys go in
