@@ -205,11 +205,11 @@ class Connections:
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """One write transaction: it commits when the block ends, or rolls back whole."""
-        conn = self.get()
         if not self._writer.acquire(timeout=self.busy_timeout_s):
             raise StoreBusy(f"{self.label}: another thread of this process kept writing for "
                             f"{self.busy_timeout_s}s")
         try:
+            conn = self.get()  # opened in the turn too: a fork waits for the whole of it
             with self._begun(conn):
                 yield conn
         finally:

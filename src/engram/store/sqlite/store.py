@@ -18,7 +18,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -110,6 +110,15 @@ class SQLiteStore(SQLStore):
 
     def _reader(self) -> AbstractContextManager[Run]:
         return nullcontext(self._db.read)
+
+    def _quiet_for_fork(self) -> None:
+        """Before a fork: let the saving thread finish what it was given (waiting at most the
+        busy timeout), so that no thread of this process is inside SQLite (whose mutexes
+        the child would inherit locked) or half-way through a file when the child is made."""
+        saver = self._saver if self._saver_pid == os.getpid() else None
+        if saver is not None:
+            with suppress(Exception):  # shut down meanwhile, or slow: the fork goes on
+                saver.submit(lambda: None).result(timeout=self.busy_timeout_s)
 
     def _after_fork(self) -> None:
         """In a forked child. A lock that a parent thread held at the fork (a search, a cache
@@ -221,7 +230,11 @@ class SQLiteStore(SQLStore):
     def _db_bytes(self, run: Run) -> int | None:
         if not self.path.exists():
             return None
-        return sum(p.stat().st_size for p in self.path.parent.glob(self.path.name + "*"))
+        total = 0
+        for p in self.path.parent.glob(self.path.name + "*"):
+            with suppress(FileNotFoundError):  # a cache file's temporary, renamed meanwhile
+                total += p.stat().st_size
+        return total
 
     # -- dense search over the in-process cache ------------------------------------------------
 
@@ -733,12 +746,18 @@ class SQLiteTx(SQLTx):
 _STORES: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
 
 
+def _before_fork() -> None:
+    for store in list(_STORES):
+        store._quiet_for_fork()
+
+
 def _after_fork_in_child() -> None:
     for store in list(_STORES):
         store._after_fork()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# registered after conn.py's: before a fork the saves end first, then the writers' turns are taken
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def secure_fts_delete(db: Connections) -> None:
