@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import threading
+import time
 import types
 import typing
 from collections.abc import Callable
@@ -422,6 +424,33 @@ def test_search_explains_each_hit(mem: Memory) -> None:
     again = mem.search("cat", user_id="ana", limit=1)
     assert [h.memory.id for h in again] == [top.memory.id]
     assert mem.get(top.memory.id).access_count == 2  # each search that returns it counts
+
+
+def test_an_access_is_counted_past_a_short_write_and_not_past_a_long_one(mem: Memory) -> None:
+    # The store's own background writes (a cache file named) hold the write turn briefly: the
+    # access count waits for them; a writer that keeps the turn longer is not waited for.
+    rec = mem.add("Ana adopted a cat named Miso", user_id="ana").memories[0]
+
+    def touch_while_held(seconds: float) -> float:
+        taken = threading.Event()
+
+        def hold() -> None:
+            with mem.store._db.transaction():
+                taken.set()
+                time.sleep(seconds)
+        holder = threading.Thread(target=hold)
+        holder.start()
+        taken.wait()
+        started = time.perf_counter()
+        mem.store.touch([rec.id], utcnow())
+        waited = time.perf_counter() - started
+        holder.join()
+        return waited
+
+    touch_while_held(0.01)
+    assert mem.get(rec.id).access_count == 1
+    assert touch_while_held(2) < 1  # skipped, not waited for
+    assert mem.get(rec.id).access_count == 1
 
 
 # -- export / import -------------------------------------------------------------------------

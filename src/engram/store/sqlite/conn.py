@@ -155,10 +155,10 @@ class Connections:
             self._held_for_fork = False
             self._writer.release()
 
-    def try_writer(self) -> bool:
-        """Take this process's write turn only if no other thread has it (release it with
-        `release_writer`): for writes not worth waiting for."""
-        return self._writer.acquire(blocking=False)
+    def try_writer(self, timeout: float) -> bool:
+        """Take this process's write turn if no other thread keeps it past `timeout` seconds
+        (release it with `release_writer`): for writes not worth a long wait."""
+        return self._writer.acquire(timeout=timeout)
 
     def release_writer(self) -> None:
         self._writer.release()

@@ -41,6 +41,7 @@ log = logging.getLogger("engram.store")
 
 SLAB_MAGIC = b"engram-slab\n\x00\x00\x00\x00"  # the first 16 bytes of a saved dense cache
 SLAB_FORMAT = 1
+TOUCH_WAIT_S = 0.05  # how long a search waits for the write turn to count its accesses
 
 
 class SQLiteStore(SQLStore):
@@ -606,7 +607,9 @@ class SQLiteStore(SQLStore):
     def touch(self, ids: Sequence[str], at: datetime) -> None:
         if not ids:
             return
-        if not self._db.try_writer():  # another thread is writing: not worth a wait
+        # Long enough for this process's own short writes (a cache file named in the background,
+        # one add), short of a queue of them: a search does not wait for a busy writer.
+        if not self._db.try_writer(TOUCH_WAIT_S):
             log.debug("access tracking skipped: this process is writing")
             return
         conn = self._db.get()
