@@ -581,13 +581,11 @@ def _pg_maintenance(mem: Memory, *statements: str) -> list[float]:
 
 
 def _pg_without_index(mem: Memory, dim: int) -> None:
-    """A bulk fill goes in without the dimension's HNSW index, built once afterwards (as
-    pgvector advises: much faster than growing it row by row); the store is told the index
-    exists, so that `insert_many` does not make it at the first row."""
+    """A bulk fill goes in without the dimension's HNSW index (an earlier size's is dropped),
+    built once afterwards (as pgvector advises: much faster than growing it row by row)."""
     from engram.store.postgres import schema
 
     _pg_maintenance(mem, f"DROP INDEX IF EXISTS {schema.hnsw_index_name(dim)}")
-    mem.store._indexed.add(dim)  # type: ignore[attr-defined]
 
 
 def _pg_after_fill(mem: Memory, dim: int, maintenance_mem: str) -> dict[str, Any]:

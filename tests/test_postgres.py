@@ -25,7 +25,7 @@ from engram.errors import StoreBusy, StoreError, StoreUnavailable
 from engram.filters import parse_filters
 from engram.model import Job, JobStatus, Kind, Scope, Session, new_id
 from engram.store import Key, Lexical, SQLiteStore, Stores
-from engram.store.postgres import PostgresStore, schema, sql
+from engram.store.postgres import PostgresStore, ann, schema, sql
 from engram.store.records import MEMORY_COLUMNS, compile_query, memory_values
 
 
@@ -497,6 +497,14 @@ def test_dense_uses_the_hnsw_index_beyond_the_exact_limit(db: str, caplog: pytes
                 tx.insert(r, [Key("text", v)], Lexical(r.text))
         probe = vectors[0] + 0.1 * vectors[1]
         truth = np.argsort(-(vectors @ probe))
+        assert not _hnsw_indexes(db)  # writes make none: its upkeep would slow every add
+        with caplog.at_level(logging.DEBUG, logger="engram.store"):
+            hits = store.dense(q(), probe, 10)  # exact meanwhile, and the index is asked for
+        assert "exact scan of more than 30 keys (no HNSW index yet)" in caplog.text
+        assert [m for m, _ in hits] == [records[i].id for i in truth[:10]]
+        store._builds.wait(timeout=60)
+        assert _hnsw_indexes(db) == {schema.hnsw_index_name(dim): True}
+        caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="engram.store"):
             hits = store.dense(q(), probe, 10)
         assert "approximate (HNSW) query" in caplog.text
@@ -527,6 +535,14 @@ def test_dense_uses_the_hnsw_index_beyond_the_exact_limit(db: str, caplog: pytes
         store.close()
 
 
+def _hnsw_indexes(db: str) -> dict[str, bool]:
+    """The HNSW indexes of `memory_keys`, each with whether it is valid."""
+    with psycopg.connect(db) as conn:
+        return {name: valid for name, valid in conn.execute(
+            "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE i.indrelid = 'memory_keys'::regclass AND c.relname LIKE 'memory_keys_hnsw_%'")}
+
+
 def test_a_scope_that_grows_past_the_exact_limit_moves_to_the_index(
         db: str, caplog: pytest.LogCaptureFixture) -> None:
     """A scope counted small is scanned at once the next time (counting what it scans: exact,
@@ -555,9 +571,58 @@ def test_a_scope_that_grows_past_the_exact_limit_moves_to_the_index(
         exact = search(80)  # still thought small: one exact scan, which counts 80
         assert "exact scan of a small scope" in caplog.text
         assert exact == [records[i].id for i in np.argsort(-(vectors @ probe))[:5]]
+        search(80)  # no index yet: exact, and it is built meanwhile
+        assert "exact scan of more than 30 keys (no HNSW index yet)" in caplog.text
+        store._builds.wait(timeout=60)
         search(80)
         assert "approximate (HNSW) query" in caplog.text
     finally:
+        store.close()
+
+
+def test_the_index_is_built_by_one_process_beside_writers_and_replaces_a_failed_build(
+        db: str, pg_server: Any) -> None:
+    """ann.py: a build waits for no lock a writer needs (CONCURRENTLY), only one process builds
+    at a time (the other is told so and its searches stay exact), and an INVALID index left by
+    a build that did not finish is dropped and built again."""
+    rng = np.random.default_rng(3)
+    dim = 12
+    store = PostgresStore(db, exact_limit=10, cache_limit=0)
+    other = PostgresStore(db, tenant="b")  # another tenant's writer
+    try:
+        vectors = rng.normal(size=(60, dim)).astype(np.float32)
+        records = [rec(f"point {i}") for i in range(60)]
+        put(store, *records, vectors=list(vectors))
+        exact_before = store.dense(q(), vectors[5], 3)
+        store._builds.wait(timeout=60)  # the build that search asked for
+        name = schema.hnsw_index_name(dim)
+        with pg_server.admin(db.split("/")[3].split("?")[0]) as admin:
+            admin.execute(f"DROP INDEX {name}")
+        with psycopg.connect(db) as holder:  # a build in progress elsewhere holds the lock
+            holder.execute("SELECT pg_advisory_lock(%s, %s)", (ann.INDEX_LOCK, dim))
+            assert store.build_index(dim) is False
+            assert not _hnsw_indexes(db)
+        # a writer in the middle of a transaction: the build waits for it, never the reverse
+        done = threading.Event()
+        with store.write() as tx:
+            tx.insert(rec("during the build"), [Key("text", vectors[0])], Lexical("during"))
+            builder = threading.Thread(target=lambda: (store.build_index(dim), done.set()))
+            builder.start()
+            put(other, rec("another writer"), vectors=[vectors[1]])  # not blocked by the build
+            assert not done.wait(0.5)  # the build waits for the open transaction
+        builder.join(60)
+        assert done.is_set() and _hnsw_indexes(db) == {name: True}
+        # a failed build: the index is left INVALID (the planner ignores it)
+        with pg_server.admin(db.split("/")[3].split("?")[0]) as admin:
+            admin.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = %s::regclass",
+                          (name,))
+        assert _hnsw_indexes(db) == {name: False}
+        hits = store.dense(q(), vectors[5], 3)  # exact while invalid; a build is asked for
+        assert [m for m, _ in hits] == [m for m, _ in exact_before]
+        store._builds.wait(timeout=60)
+        assert _hnsw_indexes(db) == {name: True}
+    finally:
+        other.close()
         store.close()
 
 

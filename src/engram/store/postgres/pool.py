@@ -132,6 +132,14 @@ class Pool:
                 raise StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
             raise
 
+    def connect(self) -> Connection:
+        """A connection of its own, outside the pool and its size (autocommit; the caller
+        closes it): for work that holds one for minutes, such as building an index."""
+        try:
+            return psycopg.connect(self._url, autocommit=True, **self._kwargs)
+        except psycopg.Error as exc:
+            raise StoreUnavailable(f"cannot connect to PostgreSQL: {exc}") from exc
+
     def release(self, conn: Connection, *, discard: bool = False) -> None:
         self._after_fork()
         if id(conn) not in self._mine:  # taken before a fork, by the parent

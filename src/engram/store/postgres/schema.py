@@ -1,6 +1,6 @@
 """The PostgreSQL schema: named migrations (applied in order, each in its own transaction under
 an advisory lock, so concurrent openers migrate once), row-level security per tenant, and the
-HNSW index each vector dimension gets at its first insert.
+HNSW index each vector dimension gets once a search needs it (ann.py).
 
 A migration is a list of SQL statements and, where data must be rewritten by Python, of
 functions called with the migration's connection."""
@@ -130,8 +130,8 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
         "CREATE INDEX memories_lex ON memories USING gin (lex)",
         # The vector column is untyped: the dimension is only known at the first insert, and
         # one database may hold keys of several embedders. Each dimension gets its own partial
-        # HNSW index over `vector::vector(dim)`, made at the first insert of that dimension
-        # (see `hnsw_index_sql`).
+        # HNSW index over `vector::vector(dim)`, made once a search of that dimension needs
+        # it (see `hnsw_index_sql` and ann.py).
         f"""CREATE TABLE memory_keys (
             tenant {TEXT} NOT NULL,
             seq bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -382,10 +382,17 @@ def hnsw_index_name(dim: int) -> str:
     return f"memory_keys_hnsw_{int(dim)}"
 
 
-def hnsw_index_sql(dim: int) -> str:
+def hnsw_index_sql(dim: int, *, concurrently: bool = False) -> str:
     d = int(dim)  # inlined, never a parameter: the planner must see the partial predicate
-    return (f"CREATE INDEX IF NOT EXISTS {hnsw_index_name(d)} ON memory_keys "
+    how = "CONCURRENTLY " if concurrently else ""
+    return (f"CREATE INDEX {how}IF NOT EXISTS {hnsw_index_name(d)} ON memory_keys "
             f"USING hnsw ((vector::vector({d})) vector_cosine_ops) WHERE dim = {d}")
+
+
+# Whether the index named by the parameter can answer queries: NULL if there is none, false if
+# a concurrent build of it did not finish (INVALID: the planner ignores it).
+INDEX_VALID_SQL = ("SELECT i.indisvalid AND i.indisready FROM pg_index i "
+                   "WHERE i.indexrelid = to_regclass(%s)")
 
 
 def migrate(transaction: Callable[[], AbstractContextManager[Connection]]) -> tuple[int, ...]:

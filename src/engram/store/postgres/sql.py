@@ -144,10 +144,11 @@ def dense_counted_sql(source: str) -> str:
 def dense_guarded_sql(source: str) -> str:
     """`dense_exact_sql` and the count that decides whether it is the right search, in one
     statement: the exact scan runs if at most a limit of keys are visible (or the dimension has
-    no index); rows (memory_id, score, keys counted up to the limit + 1, index exists), or one
+    no valid index); rows (memory_id, score, keys counted up to the limit + 1, index exists), or one
     row (NULL, NULL, count, index exists) if it did not run or found nothing. Parameters: the
     index name, `source`'s, the limit + 1, the query vector, `source`'s, the limit, k."""
-    return ("WITH n AS MATERIALIZED (SELECT to_regclass(%s) IS NOT NULL AS indexed, "
+    return ("WITH n AS MATERIALIZED (SELECT coalesce((SELECT i.indisvalid AND i.indisready "
+            "FROM pg_index i WHERE i.indexrelid = to_regclass(%s)), false) AS indexed, "
             f"(SELECT count(*) FROM (SELECT 1 {source} LIMIT %s) c) AS n) "
             "SELECT e.memory_id, e.s, n.n, n.indexed FROM n LEFT JOIN LATERAL "
             f"(SELECT k.memory_id, max(1 - (k.vector <=> %s::vector)) AS s {source} "

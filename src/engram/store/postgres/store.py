@@ -29,6 +29,7 @@ from ..base import Candidate, Key, Lexical, Query, Select
 from ..slab import Slab, evict
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
+from .ann import IndexBuilds
 from .pool import Connection, Pool, translate
 
 if TYPE_CHECKING:
@@ -36,8 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engram.store")
 
-_INDEX_LOCK = 0x656E6773  # pg_advisory_xact_lock key: one creator of a dimension's HNSW index
-_WRITE_LOCK = 0x656E6774  # ... and one writer per tenant (with hashtext(tenant))
+_WRITE_LOCK = 0x656E6774  # pg_advisory_xact_lock key: one writer per tenant (with hashtext(tenant))
 ANALYZE_AFTER_ROWS = 200  # rows written by a process before its first ANALYZE
 RECLAIM_MODES = {"vacuum": "INDEX_CLEANUP ON", "full": "FULL", "none": ""}
 # An access count is a hint, not data: its commit need not wait for the WAL to reach the disk
@@ -88,7 +88,7 @@ class PostgresStore(SQLStore):
                           connect_timeout_s=connect_timeout_s)
         self._local = threading.local()  # .conn: this thread's open write
         self._turns = _Turns()  # this process's writers of each tenant (shared by for_tenant)
-        self._indexed: set[int] = set()  # dimensions known to have their HNSW index
+        self._builds = IndexBuilds(self._pool)  # HNSW indexes, once a search needs one (ann.py)
         self._to_vacuum: set[str] = set()
         self._closed = False
         self._tokenizer = bm25.Tokenizer()  # shared with the stores of other tenants (for_tenant)
@@ -215,7 +215,6 @@ class PostgresStore(SQLStore):
         finally:
             if turn is not None:
                 turn.release()
-        self._indexed |= tx.new_dims  # committed: the indexes exist for everyone now
         self._to_vacuum |= tx.erased_from
         self._analyze_after(tx.inserted)
 
@@ -248,7 +247,7 @@ class PostgresStore(SQLStore):
         if not isinstance(tenant, str):
             raise InvalidInput("tenant must be a string")
         self._pool.retain()
-        other = copy.copy(self)  # the pool and the set of indexed dimensions are shared
+        other = copy.copy(self)  # the pool, the caches and the index builds are shared
         other.tenant = tenant
         other._local = threading.local()  # a write on one tenant is never seen from another
         other._to_vacuum = set()
@@ -259,9 +258,16 @@ class PostgresStore(SQLStore):
         if not self._closed:  # each store releases its share of the pool once
             self._closed = True
             if self._pool.close():  # the last store of the pool
+                self._builds.close()
                 self._tokenizer.close()
                 with self._slabs_lock:
                     self._slabs.clear()
+
+    def build_index(self, dim: int) -> bool:
+        """Build the HNSW index of the keys of `dim` dimensions now, if it has no valid one
+        (what a search starts in the background once it needs it, ann.py): True once it has
+        one, False if another process is building it."""
+        return self._builds.build(dim)
 
     def migrations(self) -> list[str]:
         return [row[0] for row in self._read("SELECT name FROM schema_migrations ORDER BY name")]
@@ -330,8 +336,12 @@ class PostgresStore(SQLStore):
             if len(self._small) > 4096:
                 self._small.clear()
             self._small[shape] = n <= limit
-        if n <= limit or not indexed:
+        if n <= limit:
             log.debug("dense: exact scan of %d keys", n)
+            return [(row[0], float(row[1])) for row in rows if row[0] is not None]
+        if not indexed:  # the index would answer: built meanwhile, off this search's path
+            self._builds.request(dim)
+            log.debug("dense: exact scan of more than %d keys (no HNSW index yet)", limit)
             return [(row[0], float(row[1])) for row in rows if row[0] is not None]
         ann: list[tuple[str, Sequence[Any]]] = [
             ("SELECT set_config('hnsw.ef_search', %s, true)", (str(min(1000, max(100, 2 * k))),))]
@@ -690,7 +700,7 @@ def _shape(tenant: str, query: Query, key: str, dim: int) -> tuple[Any, ...] | N
 
 class PgTx(SQLTx):
     """The writes of one transaction (see `Tx` in store/base.py): rows with their lexemes, and
-    keys, for which each new dimension first gets its HNSW index."""
+    keys."""
 
     dialect = sql.DIALECT
     unique_violation = pgerr.UniqueViolation
@@ -699,7 +709,6 @@ class PgTx(SQLTx):
         self.conn = conn
         self.store = store
         self.tenant = store.tenant
-        self.new_dims: set[int] = set()
         self.erased_from: set[str] = set()
         self.inserted = 0  # memories written (see PostgresStore._analyze_after)
 
@@ -741,8 +750,6 @@ class PgTx(SQLTx):
                 ids.append(rec.id)
                 kinds.append(key.name)
                 vectors.append(v)
-        for dim in by_dim:
-            self._ensure_index(dim)
         self._exec(*sql.insert_memories(self.tenant, recs, docs))
         self._exec(*sql.count_in_many(self.tenant, docs))
         if by_dim:
@@ -757,7 +764,6 @@ class PgTx(SQLTx):
         by_dim: dict[int, tuple[list[str], list[np.ndarray]]] = {}
         for key in keys:
             v = np.asarray(key.vector, dtype=np.float32).ravel()
-            self._ensure_index(int(v.shape[0]))
             kinds, vectors = by_dim.setdefault(int(v.shape[0]), ([], []))
             kinds.append(key.name)
             vectors.append(v)
@@ -766,18 +772,6 @@ class PgTx(SQLTx):
             for dim, (kinds, vectors) in by_dim.items():
                 self._exec(*sql.insert_keys(self.tenant, dim, [memory_id] * len(kinds), kinds,
                                             sql.vector_array(oid, np.stack(vectors))))
-
-    def _ensure_index(self, dim: int) -> None:
-        """The HNSW index of a new dimension, made in this transaction before its keys go in
-        (its lock then waits for no row this transaction holds)."""
-        if dim in self.store._indexed or dim in self.new_dims or not 0 < dim <= schema.MAX_INDEXED_DIM:
-            return
-        name = schema.hnsw_index_name(dim)
-        if not self.conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()[0]:  # type: ignore[index]
-            self.conn.execute("SELECT pg_advisory_xact_lock(%s, %s)", (_INDEX_LOCK, dim))
-            self.conn.execute(schema.hnsw_index_sql(dim))
-            log.info("created HNSW index %s", name)
-        self.new_dims.add(dim)
 
     def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
                lexical: Lexical | None = None) -> None:
@@ -788,8 +782,6 @@ class PgTx(SQLTx):
         if doc is not None:
             self._exec(*sql.count_in(self.tenant, doc))
         if keys is not None:
-            for key in keys:  # before the delete below takes row locks on memory_keys
-                self._ensure_index(int(np.asarray(key.vector).size))
             self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = %s",
                        (self.tenant, record.id))
             self._put_keys(record.id, keys)
