@@ -164,6 +164,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_GET(self) -> None:  # /v1/models: the request is {"path": ...}
+        self.server.requests.append({"path": self.path})  # type: ignore[attr-defined]
+        status, payload = self.server.respond({"path": self.path})  # type: ignore[attr-defined]
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def log_message(self, *args: Any) -> None:
         pass
 
@@ -200,6 +210,21 @@ def test_http_status_maps_to_typed_error(status: int, error: type[Exception], hi
         assert info.value.status == status  # type: ignore[attr-defined]
         assert f"status {status}" in str(info.value)
         assert len(ep.requests) == hits
+
+
+def test_the_model_is_discovered_within_the_configured_timeout() -> None:
+    """A local server busy with an earlier request lists its models late: discovery waits as
+    long as a request may (ENGRAM_LLM_TIMEOUT), not a shorter timeout of its own."""
+    def respond(request: dict[str, Any]) -> tuple[int, Any]:
+        time.sleep(1.5)
+        return 200, {"object": "list", "data": [{"id": "slow-model", "object": "model",
+                                                 "created": 0, "owned_by": "me"}]}
+
+    with fake_endpoint(respond) as ep:
+        with pytest.raises(LLMTimeout):
+            _ = OpenAICompatible(ep.base_url, discovery_timeout_s=0.5).model
+        llm = get_llm(Config(llm_base_url=ep.base_url, llm_timeout_s=5))
+        assert llm is not None and llm.model == "slow-model"
 
 
 def test_ladder_on_an_openai_style_400() -> None:

@@ -320,7 +320,8 @@ class OpenAICompatible:
     """Any endpoint speaking OpenAI's chat completions: OpenAI, Ollama, vLLM, LM Studio,
     llama.cpp (llama-server and llama-cpp-python's server), through the `openai` package.
 
-    `model=None` uses the first model the endpoint lists. The client's own retries are off:
+    `model=None` uses the first model the endpoint lists, asked within `discovery_timeout_s`
+    (a local server still busy with an earlier request answers late). The client's own retries are off:
     `LLM` retries, so that one policy (and one log) covers every provider.
     """
 
@@ -328,7 +329,7 @@ class OpenAICompatible:
 
     def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
                  structured: str = "auto", temperature: float | None = 0.0,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, discovery_timeout_s: float = 60.0) -> None:
         if structured != "auto" and structured not in STRUCTURED_MODES:
             raise ProviderError(f"unknown structured-output mode {structured!r}; "
                                 f"use 'auto' or one of {STRUCTURED_MODES}")
@@ -343,6 +344,7 @@ class OpenAICompatible:
         self.temperature = temperature
         self.max_tokens = max_tokens
         self._model = model
+        self.discovery_timeout_s = discovery_timeout_s
         # the rung to start from; in auto mode it moves down when a rung is refused
         self._rung = 0 if structured == "auto" else STRUCTURED_MODES.index(structured)
         self._lock = threading.Lock()
@@ -350,7 +352,7 @@ class OpenAICompatible:
     @property
     def model(self) -> str:
         if self._model is None:
-            self._model = self._discover_model(timeout=10.0)
+            self._model = self._discover_model(timeout=self.discovery_timeout_s)
         return self._model
 
     @property
@@ -538,7 +540,8 @@ def _openai_from_config(config: Config) -> OpenAICompatible | None:
     if not config.llm_base_url:
         return None
     return OpenAICompatible(config.llm_base_url, api_key=config.llm_api_key, model=config.llm_model,
-                            structured=config.llm_structured)
+                            structured=config.llm_structured,
+                            discovery_timeout_s=config.llm_timeout_s)
 
 
 LLMS: dict[str, LLMFactory] = {
