@@ -9,12 +9,13 @@ present) -> hits. Each stage's contribution is kept in `Hit.explain` under its o
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
-from itertools import chain, islice, repeat
-from operator import attrgetter, is_
+from functools import lru_cache, partial
+from itertools import accumulate, chain, compress, count, repeat
+from operator import add, attrgetter, is_, not_
 from typing import Literal, TypeVar
 
 import numpy as np
@@ -112,8 +113,13 @@ def _stretch(values: np.ndarray, floor: float | None = None, min_range: float = 
     """`_minmax` over an array (the same arithmetic, element by element)."""
     if not len(values):
         return values
-    lo = float(values.min()) if floor is None else floor
-    hi = float(values.max())
+    return _scale(values, float(values.min()) if floor is None else floor,
+                  float(values.max()), min_range)
+
+
+def _scale(values: np.ndarray, lo: float, hi: float, min_range: float) -> np.ndarray:
+    """`_stretch` with its lowest and highest value given: element by element, so a part of an
+    array scales to exactly what it would within the whole (and rises with its values)."""
     spread = max(hi - lo, min_range)
     if spread < 1e-12:
         return np.ones(len(values))
@@ -218,6 +224,42 @@ def mentions_time(text: str) -> bool:
     return bool(_TIME_WORDS.search(text))
 
 
+# The words `_TIME_WORDS` matches, every form: each of its alternatives is made of word
+# characters between two \b, so it matches exactly a whole run of word characters.
+_TIME_TOKENS = frozenset(
+    w.encode() for w in (
+        "yesterday today tonight tomorrow ago last next recently lately earlier weekend weekends "
+        "week weeks month months year years since monday tuesday wednesday thursday friday "
+        "saturday sunday january february march april may june july august september october "
+        "november december").split()
+) | {f"{century}{year:02d}".encode() for century in (19, 20) for year in range(100)}
+# An ASCII text's runs of word characters (\w: letters, digits, "_"), lower-cased, split by spaces
+_RUNS = bytes(c if chr(c).isalnum() or c == ord("_") else 32
+              for c in range(128)).lower() + b" " * 128
+
+
+def _runs(texts: Sequence[str]) -> list[list[bytes]]:
+    """Each text's runs of word characters, lower-cased, with C-level string methods rather
+    than a regex: for an ASCII text, exactly the words a case-insensitive regex of one word
+    between word boundaries can match (an ASCII text has no case folding beyond `lower`);
+    for any other, nothing to rely on (see `_other`)."""
+    return list(map(bytes.split, map(bytes.translate, map(str.encode, texts), repeat(_RUNS))))
+
+
+def _other(texts: Sequence[str]) -> list[int]:
+    """The positions of the texts that are not ASCII."""
+    return list(compress(range(len(texts)), map(not_, map(str.isascii, texts))))
+
+
+def mention_times(texts: Sequence[str]) -> list[bool]:
+    """`mentions_time` of each text: a set lookup per word of an ASCII text (the regex is
+    slow, and a search over a large pool may read thousands), the regex for any other."""
+    out = list(map(not_, map(_TIME_TOKENS.isdisjoint, _runs(texts))))
+    for i in _other(texts):
+        out[i] = mentions_time(texts[i])
+    return out
+
+
 def named_speakers(query: str, names: set[str]) -> set[str]:
     """The speakers a query names, matched by first name as a whole word."""
     return {n for n in names
@@ -313,11 +355,7 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
     # much of the pool uses ("great", a name) is no topic
     shared = {w for a in top for b in top if when[a] < when[b] and recs[a].name == recs[b].name
               for w in words[a] & words[b]}
-    # Only whether a word is that rare (used by at most 2) matters: each count stops at 3,
-    # so a common word costs a few candidates and a rare one a C-level pass over the pool.
-    pool = list(map(topic_words, map(_text, recs.values()))) if shared else []
-    df = {w: sum(islice(filter(None, map(frozenset.__contains__, pool, repeat(w))), 3))
-          for w in shared}
+    df = _counts(shared, list(map(_text, recs.values()))) if shared else {}
     lifted = {m: score[m] for m in top}
     for b in sorted(top, key=lambda m: (when[m], m)):
         if about is not None and b not in about:
@@ -331,6 +369,36 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
         if older:
             lifted[b] = max(lifted[a] for a in older) + 1e-3
     return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}
+
+
+def _counts(words: Collection[str], texts: Sequence[str], cap: int = 3) -> dict[str, int]:
+    """How many of `texts` have each of `words` among their `topic_words`, counted up to `cap`
+    (only whether a word is rare matters).
+
+    Only the texts that may hold the word are read. A topic word is the start of one of the
+    text's terms, and in an ASCII text a term is a piece of the lower-cased text not preceded
+    by a letter or a digit: so an ASCII text holding the word has it there, which one C-level
+    `find` over all of them finds. Other texts (NFKC, case folding and curly apostrophes may
+    change their letters) are always read. A common word stops counting at its `cap`-th text."""
+    other = _other(texts)
+    pieces = list(texts)
+    for i in other:
+        pieces[i] = ""
+    hay = "\n".join(pieces).lower()  # lower() keeps an ASCII text's length; a word has no "\n"
+    ends = list(map(add, accumulate(map(len, pieces)), count()))  # where each text ends in it
+    out: dict[str, int] = {}
+    for w in words:
+        found = sum(w in topic_words(texts[i]) for i in other)
+        at = hay.find(w)
+        while found < cap and at >= 0:
+            i = bisect_right(ends, at)
+            if at and hay[at - 1].isalnum():  # within a term: look further in this text
+                at = hay.find(w, at + 1)
+                continue
+            found += w in topic_words(texts[i])
+            at = hay.find(w, ends[i])
+        out[w] = min(found, cap)
+    return out
 
 
 Ranked = tuple[str, float, dict[str, float]]  # memory id, score, explanation
@@ -350,7 +418,9 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     importance, session, newer), 0 where it does not apply: the same sums, in the same order,
     as adding each to each candidate's score. The candidates' fields are read into columns
     with C-level maps (their time and session unit were derived when they were built), and an
-    adjustment whose weight is 0 reads nothing.
+    adjustment whose weight is 0 reads nothing. What a regex reads from a candidate's text
+    (does a fact name the speaker asked about, does the text name a time) is read only for
+    the candidates that may reach the results (see `_settle`).
     """
     held = np.fromiter(map(candidates.__contains__, fused.ids), bool, len(fused.ids))
     whole = bool(held.all())
@@ -359,13 +429,8 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     rows = list(map(candidates.__getitem__, ids))
     n = len(rows)
     sel = slice(None) if whole else keep
-    score = fused.total[sel].copy()
-    added: dict[str, tuple[np.ndarray, bool]] = {}  # label -> (values, shown where 0 too)
-
-    def add(label: str, values: np.ndarray, shown: bool = False) -> None:
-        nonlocal score
-        added[label] = (values, shown)
-        score = score + values
+    base = fused.total[sel].copy()
+    steps: list[tuple[str, np.ndarray | _Flag, bool]] = []  # (label, values, shown where 0 too)
 
     # A question naming exactly one speaker is about what that speaker said (or, for a fact
     # with no speaker, about what the fact says of them).
@@ -377,31 +442,44 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     present = not asks_past(query)
     if cfg.speaker_boost and first:
         said = np.fromiter(map(named.__contains__, names), bool, n)
-        unnamed = np.flatnonzero(np.fromiter(map(is_, names, repeat(None)), bool, n))
-        if len(unnamed):  # a fact with no speaker: does it name them?
-            said[unnamed] = list(map(_names, repeat(first), map(_text, map(rows.__getitem__,
-                                                                        unnamed.tolist()))))
-        add("speaker", cfg.speaker_boost * said)
+        # a fact with no speaker: does it name them?
+        unnamed = np.fromiter(map(is_, names, repeat(None)), bool, n)
+        steps.append(("speaker", _Flag(cfg.speaker_boost, _naming(first), said, unnamed),
+                      False))
     if cfg.when_boost and when:
-        add("when", cfg.when_boost * np.fromiter(map(mentions_time, map(_text, rows)), bool, n))
+        steps.append(("when", _Flag(cfg.when_boost, mention_times, np.zeros(n, bool),
+                                    np.ones(n, bool)), False))
     if cfg.recency_weight and present and n:
         # shown at 0 too: the oldest candidate is 0 by definition, not by omission
-        add("recency", cfg.recency_weight * _span(rows, now), shown=True)
+        steps.append(("recency", cfg.recency_weight * _span(rows, now), True))
     if cfg.importance_weight:
-        add("importance", cfg.importance_weight * np.fromiter(map(_importance, rows), float, n))
+        steps.append(("importance",
+                      cfg.importance_weight * np.fromiter(map(_importance, rows), float, n), False))
 
     # Session-level evidence: a turn in the session that best matches the query gains.
     # A memory outside any session (a fact) is a session of its own.
+    unit = None
     if cfg.session_weight and n:
         units = list(map(_unit, rows))
         codes = dict(zip(dict.fromkeys(units), range(n), strict=False))  # n or fewer
         unit = np.fromiter(map(codes.__getitem__, units), np.intp, n)
-        best = np.zeros(len(codes))
-        np.maximum.at(best, unit, score)
-        add("session", cfg.session_weight * _stretch(best, min_range=cfg.min_session_range)[unit])
 
     # ordered as far as anything reads: the page newest-wins looks at, the `limit` explained
     upto = None if limit is None else max(limit, cfg.newer_page if present else 0)
+    _settle(rows, base, steps, unit, cfg, upto)
+    added: dict[str, tuple[np.ndarray, bool]] = {}
+    score = base
+    for label, values, shown in steps:
+        column = values.weight * values.value if isinstance(values, _Flag) else values
+        added[label] = (column, shown)
+        score = score + column
+    if unit is not None:
+        best = np.zeros(int(unit.max()) + 1)
+        np.maximum.at(best, unit, score)
+        added["session"] = (cfg.session_weight * _stretch(best, min_range=cfg.min_session_range)[unit],
+                            False)
+        score = score + added["session"][0]
+
     order = _order(ids, score, upto)
     if cfg.newer_page and present and n:
         top = [ids[i] for i in order[:cfg.newer_page]]
@@ -422,7 +500,8 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
             lift = np.zeros(n)
             for mid, v in lifts.items():
                 lift[order[at[mid]]] = v
-            add("newer", lift)
+            added["newer"] = (lift, False)
+            score = score + lift
             order = _order(ids, score, upto)
 
     # only the rows returned are explained
@@ -443,6 +522,102 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         explain["score"] = final[j]
         out.append((ids[i], final[j], explain))
     return out
+
+
+@dataclass(eq=False)
+class _Flag:
+    """An adjustment read from candidates' texts by `test` (a regex: the costly part of
+    ranking a large pool), `weight` where it holds: read only where `_settle` asks, `value`
+    False and `unread` True elsewhere."""
+
+    weight: float
+    test: Callable[[Sequence[str]], list[bool]]
+    value: np.ndarray
+    unread: np.ndarray
+
+    def read(self, rows: Sequence[Candidate], at: np.ndarray) -> None:
+        at = at[self.unread[at]]
+        if len(at):
+            self.value[at] = self.test(list(map(_text, map(rows.__getitem__, at.tolist()))))
+            self.unread[at] = False
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each candidate's value if read, else the lower and the higher of 0 and `weight`."""
+        low = self.weight * self.value
+        if not self.unread.any():
+            return low, low
+        high = self.weight * (self.value | self.unread)
+        return np.minimum(low, high), np.maximum(low, high)
+
+
+def _settle(rows: Sequence[Candidate], base: np.ndarray,
+            steps: Sequence[tuple[str, np.ndarray | _Flag, bool]], unit: np.ndarray | None,
+            cfg: RetrievalConfig, upto: int | None) -> None:
+    """Read the text adjustments (`_Flag`s among `steps`) of every candidate whose score may
+    reach the first `upto` (None: all), and of every one its score depends on, so that the
+    first `upto` come out as if every candidate had been read, score for score.
+
+    Each unread candidate's score lies between the score it gets with every flag at its lower
+    and at its higher value: the same sums in the same order, and rounding never reverses an
+    order. A candidate whose highest score is below the `upto`-th best lowest one cannot
+    reach the first `upto`. The session adjustment takes the best score of the candidate's
+    session, stretched between the lowest and the highest best of all sessions: so first the
+    sessions that may hold the lowest or the highest best are read until those two are known
+    (the stretch is then fixed, and rises with a session's best), then the candidates that may
+    reach the page and the sessions they belong to. A session's best is known once every
+    unread candidate's highest score is at most the best of the read ones (or lowest ones).
+    Weights that could reverse that order (a negative session weight, an infinite or NaN
+    score) read everything."""
+    flags = [values for _, values, _ in steps if isinstance(values, _Flag)]
+    if not flags:
+        return
+    n = len(rows)
+    everything = np.ones(n, bool)
+    if (upto is None or upto >= n or (unit is not None and not cfg.session_weight >= 0)
+            or not np.isfinite(base).all() or not all(np.isfinite(f.weight) for f in flags)
+            or not all(np.isfinite(v).all() for _, v, _ in steps if not isinstance(v, _Flag))):
+        for f in flags:
+            f.read(rows, np.flatnonzero(everything))
+        return
+    if upto <= 0:
+        return
+    while True:
+        low, high = base, base
+        for _, values, _ in steps:
+            lo, hi = values.bounds() if isinstance(values, _Flag) else (values, values)
+            low, high = low + lo, high + hi
+        unread = np.zeros(n, bool)
+        for f in flags:
+            unread |= f.unread
+        want: np.ndarray | None = None
+        if unit is not None:
+            best_low = np.zeros(int(unit.max()) + 1)
+            np.maximum.at(best_low, unit, low)
+            best_high = np.zeros(len(best_low))
+            np.maximum.at(best_high, unit, high)
+            bottom, top = float(best_high.min()), float(best_low.max())
+            # the sessions that may hold the lowest or the highest best, not known yet
+            ends = (best_low != best_high) & ((best_low <= bottom) | (best_high >= top))
+            if ends.any():
+                want = unread & ends[unit] & (high > best_low[unit])
+            else:  # both known: the lowest is `bottom`, the highest `top`
+                stretch = partial(_scale, lo=bottom, hi=top, min_range=cfg.min_session_range)
+                low = low + cfg.session_weight * stretch(best_low)[unit]
+                high = high + cfg.session_weight * stretch(best_high)[unit]
+        if want is None:
+            bar = np.partition(low, n - upto)[n - upto]  # the `upto`-th best lowest score
+            near = high >= bar
+            want = unread & near
+            if unit is not None:  # and the sessions of those, where not known yet
+                open_ = np.zeros(len(best_low), bool)
+                open_[unit[near]] = True
+                open_ &= best_low != best_high
+                want |= unread & open_[unit] & (high > best_low[unit])
+        if not want.any():
+            return
+        at = np.flatnonzero(want)
+        for f in flags:
+            f.read(rows, at)
 
 
 def _order(ids: Sequence[str], score: np.ndarray, upto: int | None = None) -> np.ndarray:
@@ -479,6 +654,21 @@ _text = attrgetter("text")
 _at = attrgetter("at")
 _unit = attrgetter("unit")
 _importance = attrgetter("importance")
+
+
+def _naming(first_name: str) -> Callable[[Sequence[str]], list[bool]]:
+    """`_names(first_name, text)` of many texts: for a name of ASCII word characters, is it
+    one of an ASCII text's words (see `_runs`); the regex otherwise."""
+    if not (first_name.isascii() and re.fullmatch(r"\w+", first_name)):
+        return lambda texts: [_names(first_name, text) for text in texts]
+    word = first_name.lower().encode()
+
+    def names(texts: Sequence[str]) -> list[bool]:
+        out = list(map(list.__contains__, _runs(texts), repeat(word)))
+        for i in _other(texts):
+            out[i] = _names(first_name, texts[i])
+        return out
+    return names
 
 
 @lru_cache(maxsize=100_000)
