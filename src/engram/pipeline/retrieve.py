@@ -553,71 +553,63 @@ class _Flag:
 def _settle(rows: Sequence[Candidate], base: np.ndarray,
             steps: Sequence[tuple[str, np.ndarray | _Flag, bool]], unit: np.ndarray | None,
             cfg: RetrievalConfig, upto: int | None) -> None:
-    """Read the text adjustments (`_Flag`s among `steps`) of every candidate whose score may
-    reach the first `upto` (None: all), and of every one its score depends on, so that the
-    first `upto` come out as if every candidate had been read, score for score.
+    """Read the text adjustments (the `_Flag`s among `steps`) of every candidate that may
+    reach the first `upto` (None: all) and of every one those depend on: the first `upto`
+    then score, in order, exactly as if every candidate had been read.
 
-    Each unread candidate's score lies between the score it gets with every flag at its lower
-    and at its higher value: the same sums in the same order, and rounding never reverses an
-    order. A candidate whose highest score is below the `upto`-th best lowest one cannot
-    reach the first `upto`. The session adjustment takes the best score of the candidate's
-    session, stretched between the lowest and the highest best of all sessions: so first the
-    sessions that may hold the lowest or the highest best are read until those two are known
-    (the stretch is then fixed, and rises with a session's best), then the candidates that may
-    reach the page and the sessions they belong to. A session's best is known once every
-    unread candidate's highest score is at most the best of the read ones (or lowest ones).
-    Weights that could reverse that order (a negative session weight, an infinite or NaN
-    score) read everything."""
+    An unread candidate's score lies between its scores with every flag at its lower and at
+    its higher value: the same sums in the same order, and rounding never reverses an order.
+    One whose highest score is below the `upto`-th best lowest score cannot reach the first
+    `upto`. The session adjustment stretches the best score of the candidate's session
+    between the lowest and the highest best of all sessions: so first the sessions that may
+    hold the lowest best are read until it is known. A session's best is known once no unread
+    candidate's highest score in it is above the best lowest one. Then the highest best is
+    taken to be the best lowest one: the stretch is fixed, and rises with a session's best.
+    Were the highest best not known, a candidate that may score above it would get more than
+    the whole session weight, more than any lowest score: it may reach the page, and is read.
+    So once every candidate that may reach the page is read, the highest best is known, and
+    so is the best of their sessions (another candidate of one that could score above it
+    gets the same session adjustment: it may reach the page too). Weights that could reverse
+    an order (a negative session weight, a score that is not finite) read everything."""
     flags = [values for _, values, _ in steps if isinstance(values, _Flag)]
     if not flags:
         return
     n = len(rows)
-    everything = np.ones(n, bool)
     if (upto is None or upto >= n or (unit is not None and not cfg.session_weight >= 0)
             or not np.isfinite(base).all() or not all(np.isfinite(f.weight) for f in flags)
             or not all(np.isfinite(v).all() for _, v, _ in steps if not isinstance(v, _Flag))):
         for f in flags:
-            f.read(rows, np.flatnonzero(everything))
+            f.read(rows, np.arange(n))
         return
-    if upto <= 0:
-        return
-    while True:
+    while upto > 0:
         low, high = base, base
         for _, values, _ in steps:
             lo, hi = values.bounds() if isinstance(values, _Flag) else (values, values)
             low, high = low + lo, high + hi
-        unread = np.zeros(n, bool)
-        for f in flags:
-            unread |= f.unread
-        want: np.ndarray | None = None
+        unread = np.logical_or.reduce([f.unread for f in flags])
         if unit is not None:
             best_low = np.zeros(int(unit.max()) + 1)
             np.maximum.at(best_low, unit, low)
             best_high = np.zeros(len(best_low))
             np.maximum.at(best_high, unit, high)
             bottom, top = float(best_high.min()), float(best_low.max())
-            # the sessions that may hold the lowest or the highest best, not known yet
-            ends = (best_low != best_high) & ((best_low <= bottom) | (best_high >= top))
-            if ends.any():
-                want = unread & ends[unit] & (high > best_low[unit])
-            else:  # both known: the lowest is `bottom`, the highest `top`
-                stretch = partial(_scale, lo=bottom, hi=top, min_range=cfg.min_session_range)
-                low = low + cfg.session_weight * stretch(best_low)[unit]
-                high = high + cfg.session_weight * stretch(best_high)[unit]
-        if want is None:
-            bar = np.partition(low, n - upto)[n - upto]  # the `upto`-th best lowest score
-            near = high >= bar
-            want = unread & near
-            if unit is not None:  # and the sessions of those, where not known yet
-                open_ = np.zeros(len(best_low), bool)
-                open_[unit[near]] = True
-                open_ &= best_low != best_high
-                want |= unread & open_[unit] & (high > best_low[unit])
+            # the sessions that may hold the lowest best, not known yet
+            lowest = (best_low != best_high) & (best_low <= bottom)
+            if lowest.any():
+                want = unread & lowest[unit] & (high > best_low[unit])
+                for f in flags:
+                    f.read(rows, np.flatnonzero(want))
+                continue
+            # the lowest best is `bottom`; the highest is taken to be `top` (see above)
+            stretch = partial(_scale, lo=bottom, hi=top, min_range=cfg.min_session_range)
+            low = low + cfg.session_weight * stretch(best_low)[unit]
+            high = high + cfg.session_weight * stretch(best_high)[unit]
+        bar = np.partition(low, n - upto)[n - upto]  # the `upto`-th best lowest score
+        want = unread & (high >= bar)
         if not want.any():
             return
-        at = np.flatnonzero(want)
         for f in flags:
-            f.read(rows, at)
+            f.read(rows, np.flatnonzero(want))
 
 
 def _order(ids: Sequence[str], score: np.ndarray, upto: int | None = None) -> np.ndarray:
