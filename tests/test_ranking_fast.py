@@ -27,9 +27,11 @@ from engram.pipeline.retrieve import (
     _counts,
     _names,
     _naming,
+    _speakers,
     fuse_arrays,
     mention_times,
     mentions_time,
+    named_speakers,
     rank_arrays,
     topic_words,
 )
@@ -184,6 +186,10 @@ def test_word_lookups_match_the_regexes_they_replace() -> None:
     assert mention_times(texts) == [mentions_time(t) for t in texts]
     for first in ("Ana", "ana", "Tom", "O'Brien", "Jean-Luc", "Åna", "ana_b", "K", "2019"):
         assert _naming(first)(texts) == [_names(first, t) for t in texts], first
+    names = {"Ana Lopez", "Tom", "O'Brien", "Jean-Luc Picard", "Åna", "ana_b", "K", "2019", " ",
+             "Caroline"}
+    for query in [*texts[:80], "Where does Ana live?", "what did åna say?", "Did Jean-Luc go?"]:
+        assert _speakers(query, names) == named_speakers(query, names), query
 
 
 def test_word_counts_read_only_what_they_need_and_count_exactly() -> None:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache, partial
 from itertools import accumulate, chain, compress, count, repeat
-from operator import add, attrgetter, is_, not_
-from typing import Literal, TypeVar
+from operator import add, attrgetter, is_, itemgetter, not_
+from typing import Literal, TypeVar, cast
 
 import numpy as np
 
@@ -164,24 +164,23 @@ def fuse_arrays(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapp
     """Each retriever's scores normalised and weighted (see `fuse`), over the union of the ids
     they found (the ids of one retriever are distinct), as arrays. The ids are numbered in
     the order first found, with C-level maps rather than a Python step per hit."""
-    lists: dict[str, tuple[float, tuple[str, ...], tuple[float, ...]]] = {}
+    lists: dict[str, tuple[float, list[str], Sequence[tuple[str, float]]]] = {}
     for label, hits in ranked.items():
         w = weights.get(label, 0.0)
-        if w and hits:
-            mids, scores = zip(*hits, strict=True)
-            lists[label] = (w, mids, scores)
+        if w and hits:  # not zip(*hits): an iterator per hit, for the garbage collector to see
+            lists[label] = (w, list(map(_first, hits)), hits)
     first = dict.fromkeys(chain.from_iterable(mids for _, mids, _ in lists.values()))
     index = dict(zip(first, range(len(first)), strict=True))
     n = len(index)
     parts: dict[str, np.ndarray] = {}
     found: dict[str, np.ndarray] = {}
     total = np.zeros(n)
-    for label, (w, mids, scores) in lists.items():
+    for label, (w, mids, hits) in lists.items():
         pos = np.fromiter(map(index.__getitem__, mids), np.intp, len(mids))
         if cfg.fusion == "rrf":
             norm = 1.0 / (cfg.rrf_k + np.arange(len(mids)) + 1.0)
         else:
-            values = np.array(scores, dtype=float)
+            values = np.fromiter(map(_second, hits), float, len(hits))
             norm = (_stretch(values, floor=0.0) if label == "lexical"
                     else _stretch(values, min_range=cfg.min_cosine_range))
         parts[label] = np.zeros(n)
@@ -248,6 +247,8 @@ def _runs(texts: Sequence[str]) -> list[list[bytes]]:
 
 def _other(texts: Sequence[str]) -> list[int]:
     """The positions of the texts that are not ASCII."""
+    if "".join(texts).isascii():  # one C-level pass: usually all of them are
+        return []
     return list(compress(range(len(texts)), map(not_, map(str.isascii, texts))))
 
 
@@ -264,6 +265,24 @@ def named_speakers(query: str, names: set[str]) -> set[str]:
     """The speakers a query names, matched by first name as a whole word."""
     return {n for n in names
             if n.split() and re.search(rf"\b{re.escape(n.split()[0])}\b", query, re.IGNORECASE)}
+
+
+_ASCII_WORD = re.compile(r"[A-Za-z0-9_]+")
+
+
+def _speakers(query: str, names: set[str]) -> set[str]:
+    """`named_speakers`: a first name of ASCII word characters is looked up among the words
+    of an ASCII query (see `_runs`), without a regex per name."""
+    if not query.isascii():
+        return named_speakers(query, names)
+    words = set(_runs([query])[0])
+    out = set()
+    for name in names:
+        first = name.split()[:1]
+        if first and (first[0].lower().encode() in words if _ASCII_WORD.fullmatch(first[0])
+                      else named_speakers(query, {name})):
+            out.add(name)
+    return out
 
 
 _PAST_QUESTION = re.compile(
@@ -380,11 +399,14 @@ def _counts(words: Collection[str], texts: Sequence[str], cap: int = 3) -> dict[
     by a letter or a digit: so an ASCII text holding the word has it there, which one C-level
     `find` over all of them finds. Other texts (NFKC, case folding and curly apostrophes may
     change their letters) are always read. A common word stops counting at its `cap`-th text."""
-    other = _other(texts)
+    hay = "\n".join(texts)
+    other = [] if hay.isascii() else _other(texts)
     pieces = list(texts)
     for i in other:
         pieces[i] = ""
-    hay = "\n".join(pieces).lower()  # lower() keeps an ASCII text's length; a word has no "\n"
+    if other:
+        hay = "\n".join(pieces)
+    hay = hay.lower()  # which keeps an ASCII text's length (and a word has no "\n")
     ends = list(map(add, accumulate(map(len, pieces)), count()))  # where each text ends in it
     out: dict[str, int] = {}
     for w in words:
@@ -422,20 +444,19 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     (does a fact name the speaker asked about, does the text name a time) is read only for
     the candidates that may reach the results (see `_settle`).
     """
-    held = np.fromiter(map(candidates.__contains__, fused.ids), bool, len(fused.ids))
-    whole = bool(held.all())
-    keep = np.flatnonzero(held)
-    ids = fused.ids if whole else list(map(fused.ids.__getitem__, keep.tolist()))
-    rows = list(map(candidates.__getitem__, ids))
+    got = list(map(candidates.get, fused.ids))  # None where the store no longer holds the id
+    keep = None if all(got) else np.flatnonzero(np.fromiter(map(bool, got), bool, len(got)))
+    ids = fused.ids if keep is None else list(map(fused.ids.__getitem__, keep.tolist()))
+    rows = cast(list[Candidate], got if keep is None else list(map(got.__getitem__, keep.tolist())))
     n = len(rows)
-    sel = slice(None) if whole else keep
+    sel = slice(None) if keep is None else keep
     base = fused.total[sel].copy()
     steps: list[tuple[str, np.ndarray | _Flag, bool]] = []  # (label, values, shown where 0 too)
 
     # A question naming exactly one speaker is about what that speaker said (or, for a fact
     # with no speaker, about what the fact says of them).
     names = list(map(_name, rows))
-    named = named_speakers(query, {name for name in set(names) if name})
+    named = _speakers(query, {name for name in set(names) if name})
     first = next(iter(named)).split()[0] if len(named) == 1 else None
     when = asks_when(query)
     # A question about the past gets no preference for what is newer.
@@ -506,7 +527,7 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
 
     # only the rows returned are explained
     shown_rows = order if limit is None else order[:limit]
-    at_rows = shown_rows if whole else keep[shown_rows]
+    at_rows = shown_rows if keep is None else keep[shown_rows]
     parts = [(label, values[at_rows].tolist(), fused.found[label][at_rows].tolist())
              for label, values in fused.parts.items()]
     total = fused.total[at_rows].tolist()
@@ -641,6 +662,8 @@ def _span(rows: Sequence[Candidate], now: datetime) -> np.ndarray:
     return pos
 
 
+_first = itemgetter(0)
+_second = itemgetter(1)
 _name = attrgetter("name")
 _text = attrgetter("text")
 _at = attrgetter("at")
