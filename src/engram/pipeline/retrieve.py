@@ -547,9 +547,9 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
 
 @dataclass(eq=False)
 class _Flag:
-    """An adjustment read from candidates' texts by `test` (a regex: the costly part of
-    ranking a large pool), `weight` where it holds: read only where `_settle` asks, `value`
-    False and `unread` True elsewhere."""
+    """An adjustment read from candidates' texts by `test` (what a regex says of each text:
+    the costly part of ranking a large pool), `weight` where it holds; read only where
+    `_settle` asks, and elsewhere `value` False and `unread` True."""
 
     weight: float
     test: Callable[[Sequence[str]], list[bool]]
