@@ -176,7 +176,7 @@ TRICKY = [
     "weekends", "weekend's", "WeEkS ago", "mayday", "May", "ſince", "K", "１９９９", "in ２０２０",
     "I’m late", "yesterday’s", "nächste Woche", "tom\x00yesterday", "o'clock next", "lately,",
     "Ana met Tom", "ANA", "anabel", "ana_b", "Ana's", "d'ana", "Ana-Lucia", "Åna", "ana2",
-    "O'Brien said", "o'brien", "Jean-Luc", "jean luc",
+    "O'Brien said", "o'brien", "Jean-Luc", "jean luc", "a lone \ud800 surrogate today",
 ]
 
 

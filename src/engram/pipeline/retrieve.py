@@ -242,7 +242,8 @@ def _runs(texts: Sequence[str]) -> list[list[bytes]]:
     than a regex: for an ASCII text, exactly the words a case-insensitive regex of one word
     between word boundaries can match (an ASCII text has no case folding beyond `lower`);
     for any other, nothing to rely on (see `_other`)."""
-    return list(map(bytes.split, map(bytes.translate, map(str.encode, texts), repeat(_RUNS))))
+    ascii_ = map(str.encode, texts, repeat("ascii"), repeat("replace"))  # never raises
+    return list(map(bytes.split, map(bytes.translate, ascii_, repeat(_RUNS))))
 
 
 def _other(texts: Sequence[str]) -> list[int]:
