@@ -48,7 +48,9 @@ cache, or, once saved, loads it from `<file>.slabs/`; its time is reported separ
 embedding, dense per key, lexical, candidates, get, touch, and the rest = fuse + rank) is
 printed too, measured by wrapping the store and embedder methods of the real call, with
 the process's CPU time per query (all its threads: on a shared machine wall time is inflated
-by other processes, CPU much less).
+by other processes, CPU much less), and the CPU time of fusing and ranking alone (the read
+path's `fuse_arrays` and `rank_arrays`: "the rest" also holds the facade's and the store's
+own Python around the timed calls).
 
 Only the search of an existing database, e.g. the 1M one-scope one kept by an earlier run
 (`--reuse --keep`: without `--keep` the database is deleted afterwards):
@@ -410,9 +412,12 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
     store_log.setLevel(logging.DEBUG)
     lat: list[float] = []
     bare: list[float] = []  # the same, less the query's embedding
+    ranking: list[float] = []  # fusing and ranking the pool: CPU of the searching thread
+    undo_ranking = _instrument_ranking(ranking)
     cpu0 = time.process_time()  # the process's CPU (every thread): a busy machine inflates wall
     try:
         for q in qs[warmup:]:
+            ranking.append(0.0)
             embedded = acc["embed"]
             t0 = time.perf_counter()
             hits = mem.search(q, user_id=user_id, limit=10)
@@ -422,6 +427,7 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
     finally:
         undo()
         undo_pool()
+        undo_ranking()
         store_log.removeHandler(paths)
         store_log.setLevel(level)
     cpu = time.process_time() - cpu0
@@ -443,8 +449,31 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
         "p50_ms_no_embed": 1000 * statistics.median(bare), "p95_ms_no_embed": 1000 * _p95(bare),
         "mean_ms": 1000 * total / len(lat), "cpu_mean_ms": 1000 * cpu / len(lat),
         "breakdown_ms": breakdown,
+        "rank_cpu_mean_ms": 1000 * statistics.mean(ranking),
+        "rank_cpu_p95_ms": 1000 * _p95(sorted(ranking)),
         "dense_paths": dict(paths.counts),
     }
+
+
+def _instrument_ranking(cpu: list[float]) -> Callable[[], None]:
+    """Add the CPU time of the read path's `fuse_arrays` and `rank_arrays` (pure functions
+    over the candidate pool, in the searching thread) to `cpu[-1]`; returns undo."""
+    from engram.pipeline import read
+
+    originals = {name: getattr(read, name) for name in ("fuse_arrays", "rank_arrays")}
+    for name, fn in originals.items():
+        def timed(*a: Any, _fn: Any = fn, **kw: Any) -> Any:
+            c = time.thread_time()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                cpu[-1] += time.thread_time() - c
+        setattr(read, name, timed)
+
+    def undo() -> None:
+        for name, fn in originals.items():
+            setattr(read, name, fn)
+    return undo
 
 
 def _p95(xs: list[float]) -> float:
@@ -721,6 +750,9 @@ def report(res: dict[str, Any]) -> str:
                 lines.append(f"{'':>9}  CPU (all threads): {q['cpu_mean_ms']:.1f} ms per query "
                              f"(wall mean {q['mean_ms']:.1f}); first search "
                              f"{q['first_cpu_ms'] / 1000:.1f} s CPU")
+            if "rank_cpu_mean_ms" in q:
+                lines.append(f"{'':>9}  fuse + rank of the pool (CPU of the searching thread): "
+                             f"mean {q['rank_cpu_mean_ms']:.1f} ms, p95 {q['rank_cpu_p95_ms']:.1f} ms")
         if s.get("lexical"):
             lx = s["lexical"]
             lines.append(f"{'':>9}  lexical alone ({lx['queries']} queries, 1,000 candidates, wall "

@@ -9,13 +9,14 @@ present) -> hits. Each stage's contribution is kept in `Hit.explain` under its o
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping, Sequence
+from bisect import bisect_right
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
-from itertools import chain, islice, repeat
-from operator import attrgetter, is_
-from typing import Literal, TypeVar
+from functools import lru_cache, partial
+from itertools import accumulate, chain, compress, count, repeat
+from operator import add, attrgetter, is_, itemgetter, not_
+from typing import Literal, TypeVar, cast
 
 import numpy as np
 
@@ -112,8 +113,13 @@ def _stretch(values: np.ndarray, floor: float | None = None, min_range: float = 
     """`_minmax` over an array (the same arithmetic, element by element)."""
     if not len(values):
         return values
-    lo = float(values.min()) if floor is None else floor
-    hi = float(values.max())
+    return _scale(values, float(values.min()) if floor is None else floor,
+                  float(values.max()), min_range)
+
+
+def _scale(values: np.ndarray, lo: float, hi: float, min_range: float) -> np.ndarray:
+    """`_stretch` with its lowest and highest value given: element by element, so a part of an
+    array scales to exactly what it would within the whole (and rises with its values)."""
     spread = max(hi - lo, min_range)
     if spread < 1e-12:
         return np.ones(len(values))
@@ -158,24 +164,23 @@ def fuse_arrays(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapp
     """Each retriever's scores normalised and weighted (see `fuse`), over the union of the ids
     they found (the ids of one retriever are distinct), as arrays. The ids are numbered in
     the order first found, with C-level maps rather than a Python step per hit."""
-    lists: dict[str, tuple[float, tuple[str, ...], tuple[float, ...]]] = {}
+    lists: dict[str, tuple[float, list[str], Sequence[tuple[str, float]]]] = {}
     for label, hits in ranked.items():
         w = weights.get(label, 0.0)
-        if w and hits:
-            mids, scores = zip(*hits, strict=True)
-            lists[label] = (w, mids, scores)
+        if w and hits:  # not zip(*hits): an iterator per hit, for the garbage collector to see
+            lists[label] = (w, list(map(_first, hits)), hits)
     first = dict.fromkeys(chain.from_iterable(mids for _, mids, _ in lists.values()))
     index = dict(zip(first, range(len(first)), strict=True))
     n = len(index)
     parts: dict[str, np.ndarray] = {}
     found: dict[str, np.ndarray] = {}
     total = np.zeros(n)
-    for label, (w, mids, scores) in lists.items():
+    for label, (w, mids, hits) in lists.items():
         pos = np.fromiter(map(index.__getitem__, mids), np.intp, len(mids))
         if cfg.fusion == "rrf":
             norm = 1.0 / (cfg.rrf_k + np.arange(len(mids)) + 1.0)
         else:
-            values = np.array(scores, dtype=float)
+            values = np.fromiter(map(_second, hits), float, len(hits))
             norm = (_stretch(values, floor=0.0) if label == "lexical"
                     else _stretch(values, min_range=cfg.min_cosine_range))
         parts[label] = np.zeros(n)
@@ -218,10 +223,67 @@ def mentions_time(text: str) -> bool:
     return bool(_TIME_WORDS.search(text))
 
 
+# The words `_TIME_WORDS` matches, every form: each of its alternatives is made of word
+# characters between two \b, so it matches exactly a whole run of word characters.
+_TIME_TOKENS = frozenset(
+    w.encode() for w in (
+        "yesterday today tonight tomorrow ago last next recently lately earlier weekend weekends "
+        "week weeks month months year years since monday tuesday wednesday thursday friday "
+        "saturday sunday january february march april may june july august september october "
+        "november december").split()
+) | {f"{century}{year:02d}".encode() for century in (19, 20) for year in range(100)}
+# An ASCII text's runs of word characters (\w: letters, digits, "_"), lower-cased, split by spaces
+_RUNS = bytes(c if chr(c).isalnum() or c == ord("_") else 32
+              for c in range(128)).lower() + b" " * 128
+
+
+def _runs(texts: Sequence[str]) -> list[list[bytes]]:
+    """Each text's runs of word characters, lower-cased, with C-level string methods rather
+    than a regex: for an ASCII text, exactly the words a case-insensitive regex of one word
+    between word boundaries can match (an ASCII text has no case folding beyond `lower`);
+    for any other, nothing to rely on (see `_other`)."""
+    ascii_ = map(str.encode, texts, repeat("ascii"), repeat("replace"))  # never raises
+    return list(map(bytes.split, map(bytes.translate, ascii_, repeat(_RUNS))))
+
+
+def _other(texts: Sequence[str]) -> list[int]:
+    """The positions of the texts that are not ASCII."""
+    if "".join(texts).isascii():  # one C-level pass: usually all of them are
+        return []
+    return list(compress(range(len(texts)), map(not_, map(str.isascii, texts))))
+
+
+def mention_times(texts: Sequence[str]) -> list[bool]:
+    """`mentions_time` of each text: a set lookup per word of an ASCII text (the regex is
+    slow, and a search over a large pool may read thousands), the regex for any other."""
+    out = list(map(not_, map(_TIME_TOKENS.isdisjoint, _runs(texts))))
+    for i in _other(texts):
+        out[i] = mentions_time(texts[i])
+    return out
+
+
 def named_speakers(query: str, names: set[str]) -> set[str]:
     """The speakers a query names, matched by first name as a whole word."""
     return {n for n in names
             if n.split() and re.search(rf"\b{re.escape(n.split()[0])}\b", query, re.IGNORECASE)}
+
+
+_ASCII_WORD = re.compile(r"[A-Za-z0-9_]+")
+
+
+def _speakers(query: str, names: set[str]) -> set[str]:
+    """`named_speakers`: a first name of ASCII word characters is looked up among the words
+    of an ASCII query (see `_runs`), without a regex per name."""
+    if not query.isascii():
+        return named_speakers(query, names)
+    words = set(_runs([query])[0])
+    out = set()
+    for name in names:
+        first = name.split()[:1]
+        if first and (first[0].lower().encode() in words if _ASCII_WORD.fullmatch(first[0])
+                      else named_speakers(query, {name})):
+            out.add(name)
+    return out
 
 
 _PAST_QUESTION = re.compile(
@@ -313,11 +375,7 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
     # much of the pool uses ("great", a name) is no topic
     shared = {w for a in top for b in top if when[a] < when[b] and recs[a].name == recs[b].name
               for w in words[a] & words[b]}
-    # Only whether a word is that rare (used by at most 2) matters: each count stops at 3,
-    # so a common word costs a few candidates and a rare one a C-level pass over the pool.
-    pool = list(map(topic_words, map(_text, recs.values()))) if shared else []
-    df = {w: sum(islice(filter(None, map(frozenset.__contains__, pool, repeat(w))), 3))
-          for w in shared}
+    df = _counts(shared, list(map(_text, recs.values()))) if shared else {}
     lifted = {m: score[m] for m in top}
     for b in sorted(top, key=lambda m: (when[m], m)):
         if about is not None and b not in about:
@@ -331,6 +389,39 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
         if older:
             lifted[b] = max(lifted[a] for a in older) + 1e-3
     return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}
+
+
+def _counts(words: Collection[str], texts: Sequence[str], cap: int = 3) -> dict[str, int]:
+    """How many of `texts` have each of `words` among their `topic_words`, counted up to `cap`
+    (only whether a word is rare matters).
+
+    Only the texts that may hold the word are read. A topic word is the start of one of the
+    text's terms, and in an ASCII text a term is a piece of the lower-cased text not preceded
+    by a letter or a digit: so an ASCII text holding the word has it there, which one C-level
+    `find` over all of them finds. Other texts (NFKC, case folding and curly apostrophes may
+    change their letters) are always read. A common word stops counting at its `cap`-th text."""
+    hay = "\n".join(texts)
+    other = [] if hay.isascii() else _other(texts)
+    pieces = list(texts)
+    for i in other:
+        pieces[i] = ""
+    if other:
+        hay = "\n".join(pieces)
+    hay = hay.lower()  # which keeps an ASCII text's length (and a word has no "\n")
+    ends = list(map(add, accumulate(map(len, pieces)), count()))  # where each text ends in it
+    out: dict[str, int] = {}
+    for w in words:
+        found = sum(w in topic_words(texts[i]) for i in other)
+        at = hay.find(w)
+        while found < cap and at >= 0:
+            i = bisect_right(ends, at)
+            if at and hay[at - 1].isalnum():  # within a term: look further in this text
+                at = hay.find(w, at + 1)
+                continue
+            found += w in topic_words(texts[i])
+            at = hay.find(w, ends[i])
+        out[w] = min(found, cap)
+    return out
 
 
 Ranked = tuple[str, float, dict[str, float]]  # memory id, score, explanation
@@ -350,58 +441,67 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     importance, session, newer), 0 where it does not apply: the same sums, in the same order,
     as adding each to each candidate's score. The candidates' fields are read into columns
     with C-level maps (their time and session unit were derived when they were built), and an
-    adjustment whose weight is 0 reads nothing.
+    adjustment whose weight is 0 reads nothing. What a regex reads from a candidate's text
+    (does a fact name the speaker asked about, does the text name a time) is read only for
+    the candidates that may reach the results (see `_settle`).
     """
-    held = np.fromiter(map(candidates.__contains__, fused.ids), bool, len(fused.ids))
-    whole = bool(held.all())
-    keep = np.flatnonzero(held)
-    ids = fused.ids if whole else list(map(fused.ids.__getitem__, keep.tolist()))
-    rows = list(map(candidates.__getitem__, ids))
+    got = list(map(candidates.get, fused.ids))  # None where the store no longer holds the id
+    keep = None if all(got) else np.flatnonzero(np.fromiter(map(bool, got), bool, len(got)))
+    ids = fused.ids if keep is None else list(map(fused.ids.__getitem__, keep.tolist()))
+    rows = cast(list[Candidate], got if keep is None else list(map(got.__getitem__, keep.tolist())))
     n = len(rows)
-    sel = slice(None) if whole else keep
-    score = fused.total[sel].copy()
-    added: dict[str, tuple[np.ndarray, bool]] = {}  # label -> (values, shown where 0 too)
-
-    def add(label: str, values: np.ndarray, shown: bool = False) -> None:
-        nonlocal score
-        added[label] = (values, shown)
-        score = score + values
+    sel = slice(None) if keep is None else keep
+    base = fused.total[sel].copy()
+    steps: list[tuple[str, np.ndarray | _Flag, bool]] = []  # (label, values, shown where 0 too)
 
     # A question naming exactly one speaker is about what that speaker said (or, for a fact
     # with no speaker, about what the fact says of them).
     names = list(map(_name, rows))
-    named = named_speakers(query, {name for name in set(names) if name})
+    named = _speakers(query, {name for name in set(names) if name})
     first = next(iter(named)).split()[0] if len(named) == 1 else None
     when = asks_when(query)
     # A question about the past gets no preference for what is newer.
     present = not asks_past(query)
     if cfg.speaker_boost and first:
         said = np.fromiter(map(named.__contains__, names), bool, n)
-        unnamed = np.flatnonzero(np.fromiter(map(is_, names, repeat(None)), bool, n))
-        if len(unnamed):  # a fact with no speaker: does it name them?
-            said[unnamed] = list(map(_names, repeat(first), map(_text, map(rows.__getitem__,
-                                                                        unnamed.tolist()))))
-        add("speaker", cfg.speaker_boost * said)
+        # a fact with no speaker: does it name them?
+        unnamed = np.fromiter(map(is_, names, repeat(None)), bool, n)
+        steps.append(("speaker", _Flag(cfg.speaker_boost, _naming(first), said, unnamed),
+                      False))
     if cfg.when_boost and when:
-        add("when", cfg.when_boost * np.fromiter(map(mentions_time, map(_text, rows)), bool, n))
+        steps.append(("when", _Flag(cfg.when_boost, mention_times, np.zeros(n, bool),
+                                    np.ones(n, bool)), False))
     if cfg.recency_weight and present and n:
         # shown at 0 too: the oldest candidate is 0 by definition, not by omission
-        add("recency", cfg.recency_weight * _span(rows, now), shown=True)
+        steps.append(("recency", cfg.recency_weight * _span(rows, now), True))
     if cfg.importance_weight:
-        add("importance", cfg.importance_weight * np.fromiter(map(_importance, rows), float, n))
+        steps.append(("importance",
+                      cfg.importance_weight * np.fromiter(map(_importance, rows), float, n), False))
 
     # Session-level evidence: a turn in the session that best matches the query gains.
     # A memory outside any session (a fact) is a session of its own.
+    unit = None
     if cfg.session_weight and n:
         units = list(map(_unit, rows))
         codes = dict(zip(dict.fromkeys(units), range(n), strict=False))  # n or fewer
         unit = np.fromiter(map(codes.__getitem__, units), np.intp, n)
-        best = np.zeros(len(codes))
-        np.maximum.at(best, unit, score)
-        add("session", cfg.session_weight * _stretch(best, min_range=cfg.min_session_range)[unit])
 
     # ordered as far as anything reads: the page newest-wins looks at, the `limit` explained
     upto = None if limit is None else max(limit, cfg.newer_page if present else 0)
+    _settle(rows, base, steps, unit, cfg, upto)
+    added: dict[str, tuple[np.ndarray, bool]] = {}
+    score = base
+    for label, values, shown in steps:
+        column = values.weight * values.value if isinstance(values, _Flag) else values
+        added[label] = (column, shown)
+        score = score + column
+    if unit is not None:
+        best = np.zeros(int(unit.max()) + 1)
+        np.maximum.at(best, unit, score)
+        added["session"] = (cfg.session_weight * _stretch(best, min_range=cfg.min_session_range)[unit],
+                            False)
+        score = score + added["session"][0]
+
     order = _order(ids, score, upto)
     if cfg.newer_page and present and n:
         top = [ids[i] for i in order[:cfg.newer_page]]
@@ -422,12 +522,13 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
             lift = np.zeros(n)
             for mid, v in lifts.items():
                 lift[order[at[mid]]] = v
-            add("newer", lift)
+            added["newer"] = (lift, False)
+            score = score + lift
             order = _order(ids, score, upto)
 
     # only the rows returned are explained
     shown_rows = order if limit is None else order[:limit]
-    at_rows = shown_rows if whole else keep[shown_rows]
+    at_rows = shown_rows if keep is None else keep[shown_rows]
     parts = [(label, values[at_rows].tolist(), fused.found[label][at_rows].tolist())
              for label, values in fused.parts.items()]
     total = fused.total[at_rows].tolist()
@@ -443,6 +544,94 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         explain["score"] = final[j]
         out.append((ids[i], final[j], explain))
     return out
+
+
+@dataclass(eq=False)
+class _Flag:
+    """An adjustment read from candidates' texts by `test` (what a regex says of each text:
+    the costly part of ranking a large pool), `weight` where it holds; read only where
+    `_settle` asks, and elsewhere `value` False and `unread` True."""
+
+    weight: float
+    test: Callable[[Sequence[str]], list[bool]]
+    value: np.ndarray
+    unread: np.ndarray
+
+    def read(self, rows: Sequence[Candidate], at: np.ndarray) -> None:
+        at = at[self.unread[at]]
+        if len(at):
+            self.value[at] = self.test(list(map(_text, map(rows.__getitem__, at.tolist()))))
+            self.unread[at] = False
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each candidate's value if read, else the lower and the higher of 0 and `weight`."""
+        low = self.weight * self.value
+        if not self.unread.any():
+            return low, low
+        high = self.weight * (self.value | self.unread)
+        return np.minimum(low, high), np.maximum(low, high)
+
+
+def _settle(rows: Sequence[Candidate], base: np.ndarray,
+            steps: Sequence[tuple[str, np.ndarray | _Flag, bool]], unit: np.ndarray | None,
+            cfg: RetrievalConfig, upto: int | None) -> None:
+    """Read the text adjustments (the `_Flag`s among `steps`) of every candidate that may
+    reach the first `upto` (None: all) and of every one those depend on: the first `upto`
+    then score, in order, exactly as if every candidate had been read.
+
+    An unread candidate's score lies between its scores with every flag at its lower and at
+    its higher value: the same sums in the same order, and rounding never reverses an order.
+    One whose highest score is below the `upto`-th best lowest score cannot reach the first
+    `upto`. The session adjustment stretches the best score of the candidate's session
+    between the lowest and the highest best of all sessions: so first the sessions that may
+    hold the lowest best are read until it is known. A session's best is known once no unread
+    candidate's highest score in it is above the best lowest one. Then the highest best is
+    taken to be the best lowest one: the stretch is fixed, and rises with a session's best.
+    Were the highest best not known, a candidate that may score above it would get more than
+    the whole session weight, more than any lowest score: it may reach the page, and is read.
+    So once every candidate that may reach the page is read, the highest best is known, and
+    so is the best of their sessions (another candidate of one that could score above it
+    gets the same session adjustment: it may reach the page too). Weights that could reverse
+    an order (a negative session weight, a score that is not finite) read everything."""
+    flags = [values for _, values, _ in steps if isinstance(values, _Flag)]
+    if not flags:
+        return
+    n = len(rows)
+    if (upto is None or upto >= n or (unit is not None and not cfg.session_weight >= 0)
+            or not np.isfinite(base).all() or not all(np.isfinite(f.weight) for f in flags)
+            or not all(np.isfinite(v).all() for _, v, _ in steps if not isinstance(v, _Flag))):
+        for f in flags:
+            f.read(rows, np.arange(n))
+        return
+    while upto > 0:
+        low, high = base, base
+        for _, values, _ in steps:
+            lo, hi = values.bounds() if isinstance(values, _Flag) else (values, values)
+            low, high = low + lo, high + hi
+        unread = np.logical_or.reduce([f.unread for f in flags])
+        if unit is not None:
+            best_low = np.zeros(int(unit.max()) + 1)
+            np.maximum.at(best_low, unit, low)
+            best_high = np.zeros(len(best_low))
+            np.maximum.at(best_high, unit, high)
+            bottom, top = float(best_high.min()), float(best_low.max())
+            # the sessions that may hold the lowest best, not known yet
+            lowest = (best_low != best_high) & (best_low <= bottom)
+            if lowest.any():
+                want = unread & lowest[unit] & (high > best_low[unit])
+                for f in flags:
+                    f.read(rows, np.flatnonzero(want))
+                continue
+            # the lowest best is `bottom`; the highest is taken to be `top` (see above)
+            stretch = partial(_scale, lo=bottom, hi=top, min_range=cfg.min_session_range)
+            low = low + cfg.session_weight * stretch(best_low)[unit]
+            high = high + cfg.session_weight * stretch(best_high)[unit]
+        bar = np.partition(low, n - upto)[n - upto]  # the `upto`-th best lowest score
+        want = unread & (high >= bar)
+        if not want.any():
+            return
+        for f in flags:
+            f.read(rows, np.flatnonzero(want))
 
 
 def _order(ids: Sequence[str], score: np.ndarray, upto: int | None = None) -> np.ndarray:
@@ -474,11 +663,28 @@ def _span(rows: Sequence[Candidate], now: datetime) -> np.ndarray:
     return pos
 
 
+_first = itemgetter(0)
+_second = itemgetter(1)
 _name = attrgetter("name")
 _text = attrgetter("text")
 _at = attrgetter("at")
 _unit = attrgetter("unit")
 _importance = attrgetter("importance")
+
+
+def _naming(first_name: str) -> Callable[[Sequence[str]], list[bool]]:
+    """`_names(first_name, text)` of many texts: for a name of ASCII word characters, is it
+    one of an ASCII text's words (see `_runs`); the regex otherwise."""
+    if not (first_name.isascii() and re.fullmatch(r"\w+", first_name)):
+        return lambda texts: [_names(first_name, text) for text in texts]
+    word = first_name.lower().encode()
+
+    def names(texts: Sequence[str]) -> list[bool]:
+        out = list(map(list.__contains__, _runs(texts), repeat(word)))
+        for i in _other(texts):
+            out[i] = _names(first_name, texts[i])
+        return out
+    return names
 
 
 @lru_cache(maxsize=100_000)
