@@ -50,10 +50,10 @@ class IndexBuilds:
         not succeed (another process builds, a failure) was tried within `RETRY_S`."""
         if not 0 < dim <= schema.MAX_INDEXED_DIM:
             return
+        if self._pid != os.getpid():  # a forked child: the parent's threads (and a lock one of
+            self._lock = threading.Lock()  # them may have held) are not here
+            self._reset()
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's threads are not here
-                self._lock = threading.Lock()
-                self._reset()
             running = self._threads.get(dim)
             if self._closed or (running is not None and running.is_alive()) \
                     or time.monotonic() - self._tried.get(dim, -RETRY_S) < RETRY_S:
@@ -69,6 +69,9 @@ class IndexBuilds:
             if self.build(dim):
                 with self._lock:  # built: should it ever go, the next search asks at once
                     self._tried.pop(dim, None)
+        except psycopg.Error as exc:  # say, a role that does not own the table
+            log.warning("could not build the HNSW index of %d dimensions (searches of large "
+                        "scopes stay exact scans): %s", dim, exc)
         except Exception:  # an index: searches stay exact, and a later one asks again
             log.exception("building the HNSW index of %d dimensions failed", dim)
 
