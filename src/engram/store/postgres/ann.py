@@ -20,7 +20,7 @@ import time
 
 import psycopg
 
-from . import schema
+from . import schema, sql
 from .pool import Connection, Pool
 
 log = logging.getLogger("engram.store")
@@ -94,7 +94,7 @@ class IndexBuilds:
                 return False
             try:
                 name = schema.hnsw_index_name(dim)
-                valid = conn.execute(schema.INDEX_VALID_SQL, (name,)).fetchone()
+                valid = conn.execute(sql.INDEX_VALID_SQL, (name,)).fetchone()
                 if valid is not None and valid[0]:
                     return True
                 with self._lock:

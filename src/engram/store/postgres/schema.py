@@ -389,11 +389,6 @@ def hnsw_index_sql(dim: int, *, concurrently: bool = False) -> str:
             f"USING hnsw ((vector::vector({d})) vector_cosine_ops) WHERE dim = {d}")
 
 
-# Whether the index named by the parameter can answer queries: NULL if there is none, false if
-# a concurrent build of it did not finish (INVALID: the planner ignores it).
-INDEX_VALID_SQL = ("SELECT i.indisvalid AND i.indisready FROM pg_index i "
-                   "WHERE i.indexrelid = to_regclass(%s)")
-
 
 def migrate(transaction: Callable[[], AbstractContextManager[Connection]]) -> tuple[int, ...]:
     """Apply the pending migrations, each in a `transaction()`; returns pgvector's version."""

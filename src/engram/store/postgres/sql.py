@@ -141,14 +141,19 @@ def dense_counted_sql(source: str) -> str:
             "GROUP BY k.memory_id ORDER BY s DESC, k.memory_id LIMIT %s")
 
 
+# Whether the index named by the parameter can answer queries: NULL if there is none, false if
+# a concurrent build of it did not finish (INVALID: the planner ignores it).
+INDEX_VALID_SQL = ("SELECT i.indisvalid AND i.indisready FROM pg_index i "
+                   "WHERE i.indexrelid = to_regclass(%s)")
+
+
 def dense_guarded_sql(source: str) -> str:
     """`dense_exact_sql` and the count that decides whether it is the right search, in one
     statement: the exact scan runs if at most a limit of keys are visible (or the dimension has
     no valid index); rows (memory_id, score, keys counted up to the limit + 1, index exists), or one
     row (NULL, NULL, count, index exists) if it did not run or found nothing. Parameters: the
     index name, `source`'s, the limit + 1, the query vector, `source`'s, the limit, k."""
-    return ("WITH n AS MATERIALIZED (SELECT coalesce((SELECT i.indisvalid AND i.indisready "
-            "FROM pg_index i WHERE i.indexrelid = to_regclass(%s)), false) AS indexed, "
+    return (f"WITH n AS MATERIALIZED (SELECT coalesce(({INDEX_VALID_SQL}), false) AS indexed, "
             f"(SELECT count(*) FROM (SELECT 1 {source} LIMIT %s) c) AS n) "
             "SELECT e.memory_id, e.s, n.n, n.indexed FROM n LEFT JOIN LATERAL "
             f"(SELECT k.memory_id, max(1 - (k.vector <=> %s::vector)) AS s {source} "
