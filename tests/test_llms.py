@@ -151,22 +151,18 @@ def test_closed_port_is_retried_then_raises_unavailable() -> None:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """Answers each POST with `server.respond(request body) -> (status, payload)`."""
+    """Answers each request with `server.respond(request) -> (status, payload)`: a POST's
+    JSON body, or a GET's {"path": ...} (/v1/models)."""
 
     def do_POST(self) -> None:
-        request = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        self._answer(json.loads(self.rfile.read(int(self.headers.get("content-length", 0)))))
+
+    def do_GET(self) -> None:
+        self._answer({"path": self.path})
+
+    def _answer(self, request: dict[str, Any]) -> None:
         self.server.requests.append(request)  # type: ignore[attr-defined]
         status, payload = self.server.respond(request)  # type: ignore[attr-defined]
-        body = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:  # /v1/models: the request is {"path": ...}
-        self.server.requests.append({"path": self.path})  # type: ignore[attr-defined]
-        status, payload = self.server.respond({"path": self.path})  # type: ignore[attr-defined]
         body = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("content-type", "application/json")

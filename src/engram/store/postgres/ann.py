@@ -81,9 +81,7 @@ class IndexBuilds:
         conn = self._pool.connect()
         try:
             with self._lock:
-                if self._closed:
-                    return False
-                self._conns[dim] = conn
+                self._conns[dim] = conn  # `close` cancels what it runs
             # minutes at a million keys: no statement or lock timeout; the build waits for
             # the writes in flight to end (CONCURRENTLY), never blocks them
             conn.execute("SET statement_timeout = 0")
@@ -98,7 +96,7 @@ class IndexBuilds:
                 if valid is not None and valid[0]:
                     return True
                 with self._lock:
-                    if self._closed:
+                    if self._closed:  # before the long part: `close` may have found no statement to cancel
                         return False
                 if valid is not None:  # an INVALID index: a build that did not finish
                     conn.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")

@@ -336,12 +336,12 @@ class PostgresStore(SQLStore):
             if len(self._small) > 4096:
                 self._small.clear()
             self._small[shape] = n <= limit
-        if n <= limit:
-            log.debug("dense: exact scan of %d keys", n)
-            return [(row[0], float(row[1])) for row in rows if row[0] is not None]
-        if not indexed:  # the index would answer: built meanwhile, off this search's path
-            self._builds.request(dim)
-            log.debug("dense: exact scan of more than %d keys (no HNSW index yet)", limit)
+        if n <= limit or not indexed:
+            if n <= limit:
+                log.debug("dense: exact scan of %d keys", n)
+            else:  # the index would answer: built meanwhile, off this search's path
+                self._builds.request(dim)
+                log.debug("dense: exact scan of more than %d keys (no HNSW index yet)", limit)
             return [(row[0], float(row[1])) for row in rows if row[0] is not None]
         ann: list[tuple[str, Sequence[Any]]] = [
             ("SELECT set_config('hnsw.ef_search', %s, true)", (str(min(1000, max(100, 2 * k))),))]
