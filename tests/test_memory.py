@@ -32,6 +32,7 @@ from engram import (
 from engram.model import Scope, utcnow
 from engram.pipeline.index import window_vector
 from engram.store import Query
+from engram.store.sqlite.store import AUTOCHECKPOINT_PAGES, TOUCH_CHECKPOINT_EVERY
 
 
 def ids_of(mem: Memory, **kw: Any) -> list[str]:
@@ -451,6 +452,28 @@ def test_an_access_is_counted_past_a_short_write_and_not_past_a_long_one(mem: Me
     assert mem.get(rec.id).access_count == 1
     assert touch_while_held(2) < 1  # skipped, not waited for
     assert mem.get(rec.id).access_count == 1
+
+
+def test_access_counts_leave_the_checkpoint_to_the_background(mem: Memory) -> None:
+    # A commit that finds the WAL past 1,000 pages copies it into the database and fsyncs
+    # (~20 ms: a search's p99). Access counts never do; the store's background thread does,
+    # every TOUCH_CHECKPOINT_EVERY counts.
+    ids = [r.id for r in mem.add([f"note {i} on the garden, the bicycle and the rain"
+                                  for i in range(400)], user_id="ana").memories]
+    store = mem.store
+    store._db.get().execute("PRAGMA wal_checkpoint(TRUNCATE)")  # an empty WAL to count from
+    store._touches = 0
+    wal = store.path.with_name(store.path.name + "-wal")
+    database = store.path.read_bytes()
+    for _ in range(TOUCH_CHECKPOINT_EVERY - 1):
+        store.touch(ids, utcnow())
+    frames = (wal.stat().st_size - 32) // (4096 + 24)  # the WAL header, then page-sized frames
+    assert frames > AUTOCHECKPOINT_PAGES  # where a commit of its own would have checkpointed
+    assert store.path.read_bytes() == database
+    store.touch(ids, utcnow())
+    store.wait_for_saves()
+    assert store.path.read_bytes() != database
+    assert mem.get(ids[0]).access_count == TOUCH_CHECKPOINT_EVERY
 
 
 # -- export / import -------------------------------------------------------------------------

@@ -42,6 +42,11 @@ log = logging.getLogger("engram.store")
 SLAB_MAGIC = b"engram-slab\n\x00\x00\x00\x00"  # the first 16 bytes of a saved dense cache
 SLAB_FORMAT = 1
 TOUCH_WAIT_S = 0.05  # how long a search waits for the write turn to count its accesses
+# A commit that finds the WAL past SQLite's autocheckpoint (1,000 pages, its default) copies
+# it into the database and fsyncs, ~20 ms here: an access count, on a search's path, leaves
+# that to the background thread, once every this many counts.
+TOUCH_CHECKPOINT_EVERY = 64
+AUTOCHECKPOINT_PAGES = 1000
 
 
 class SQLiteStore(SQLStore):
@@ -88,6 +93,7 @@ class SQLiteStore(SQLStore):
         self._saver_pid = 0
         self._saver_lock = threading.Lock()
         self._closing = False
+        self._touches = 0  # access counts committed since the last background checkpoint
         _STORES.add(self)
         schema.migrate(self._db)
         # lex_log is bounded once its horizon exists (always after `migrate`; the upgrade test
@@ -618,19 +624,30 @@ class SQLiteStore(SQLStore):
             # An access count is not worth an fsync per search: in WAL mode NORMAL commits
             # without one (a power cut may lose the last counts, never corrupt the file).
             conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA wal_autocheckpoint = 0")
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(
                 "UPDATE memories SET access_count = access_count + 1, last_accessed_at = ? "
                 f"WHERE id IN ({self.dialect.marks(len(ids))})", [at.timestamp(), *ids])
             conn.execute("COMMIT")
+            self._touches += 1
+            if self._touches >= TOUCH_CHECKPOINT_EVERY:
+                self._touches = 0
+                self._in_background(self._checkpoint)
         except BUSY_ERRORS as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             log.debug("access tracking skipped: %s", exc)
         finally:
             conn.execute("PRAGMA synchronous = FULL")
+            conn.execute(f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES}")
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
             self._db.release_writer()
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL into the database as far as no reader still needs it (PASSIVE: it
+        waits for no one and blocks no one)."""
+        self._db.get().execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def claim_job(self, now: datetime, lease_until: datetime) -> Job | None:
         d = self.dialect
