@@ -9,6 +9,7 @@ import itertools
 import json
 import string
 from collections.abc import Iterator
+from dataclasses import asdict
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -119,6 +120,24 @@ def test_metadata_round_trips(hmem: Memory, meta: dict[str, Any]) -> None:
     # equal as JSON too: no int/float or list/tuple drift
     assert json.dumps(got, sort_keys=True) == json.dumps(meta, sort_keys=True)
     assert hmem.list(user_id=uid).items[0].metadata == meta
+
+
+@SETTINGS
+@given(meta=metadata)
+def test_a_records_dict_is_the_records_json_and_a_copy(hmem: Memory, meta: dict[str, Any]) -> None:
+    rec = hmem.add("a note", user_id=scope(), metadata=meta).memories[0]
+    out = rec.to_dict()
+    # what `dataclasses.asdict` made of it (before `json_ready`): the same dict
+    reference = {**asdict(rec), "scope": rec.scope.as_dict(), "kind": rec.kind.value,
+                 "provenance": list(rec.provenance)}
+    reference = {k: v.isoformat() if isinstance(v, datetime) else v for k, v in reference.items()}
+    assert out == reference
+    assert json.loads(json.dumps(out)) == out
+    out["metadata"]["added"] = [1]
+    for value in out["metadata"].values():
+        if isinstance(value, list | dict):
+            value.clear()
+    assert rec.metadata == meta  # the record is not changed through its dict
 
 
 offsets = st.integers(-(23 * 60 + 59), 23 * 60 + 59).map(lambda m: timezone(timedelta(minutes=m)))
