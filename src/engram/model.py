@@ -63,8 +63,13 @@ def json_ready(obj: Any) -> Any:
     if isinstance(obj, list | tuple):
         return [json_ready(v) for v in obj]
     if hasattr(obj, "__dataclass_fields__"):
-        return {name: json_ready(getattr(obj, name)) for name in _field_names(type(obj))}
+        return record_dict(obj)
     return obj
+
+
+def record_dict(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields, each `json_ready`."""
+    return {name: json_ready(getattr(obj, name)) for name in _field_names(type(obj))}
 
 
 _PLAIN = frozenset({str, int, float, bool, type(None)})
@@ -116,7 +121,7 @@ class MemoryRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: times as ISO-8601 strings, enums as their values."""
-        return json_ready(self)
+        return record_dict(self)
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,7 @@ class Job:
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return json_ready(self)
+        return record_dict(self)
 
 
 @dataclass(frozen=True)
@@ -258,7 +263,7 @@ class Session:
     ended_at: datetime | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return json_ready(self)
+        return record_dict(self)
 
 
 # -- entities and relations (the knowledge graph, docs/graph.md) ------------------------------
