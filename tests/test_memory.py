@@ -427,31 +427,39 @@ def test_search_explains_each_hit(mem: Memory) -> None:
     assert mem.get(top.memory.id).access_count == 2  # each search that returns it counts
 
 
-def test_an_access_is_counted_past_a_short_write_and_not_past_a_long_one(mem: Memory) -> None:
-    # The store's own background writes (a cache file named) hold the write turn briefly: the
-    # access count waits for them; a writer that keeps the turn longer is not waited for.
+def test_an_access_never_waits_for_a_write_and_is_counted_after_it(tmp_path: Path,
+                                                                    embedder) -> None:
+    # A search counts what it found without waiting for this process's writer (an add of
+    # another thread, a cache file named in the background): the count is written once the
+    # writer is done, and a read sees it; counts still pending at close are written then.
+    mem = Memory(tmp_path / "m.db", embedder=embedder)
     rec = mem.add("Ana adopted a cat named Miso", user_id="ana").memories[0]
+    taken, release = threading.Event(), threading.Event()
 
-    def touch_while_held(seconds: float) -> float:
-        taken = threading.Event()
+    def hold() -> None:
+        with mem.store._db.transaction():
+            taken.set()
+            release.wait()
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait()
+    started = time.perf_counter()
+    hits = mem.search("cat named Miso", user_id="ana")
+    mem.store.touch([rec.id], utcnow())
+    assert time.perf_counter() - started < 1  # not waiting for the writer (the busy timeout is 30 s)
+    assert hits[0].memory.id == rec.id
+    threading.Timer(0.2, release.set).start()
+    assert mem.get(rec.id).access_count == 2  # the read waits for the writer, then sees both
+    holder.join()
 
-        def hold() -> None:
-            with mem.store._db.transaction():
-                taken.set()
-                time.sleep(seconds)
-        holder = threading.Thread(target=hold)
-        holder.start()
-        taken.wait()
-        started = time.perf_counter()
+    with mem.store.write():  # counted inside this thread's write: after it, not inside it
         mem.store.touch([rec.id], utcnow())
-        waited = time.perf_counter() - started
-        holder.join()
-        return waited
-
-    touch_while_held(0.01)
-    assert mem.get(rec.id).access_count == 1
-    assert touch_while_held(2) < 1  # skipped, not waited for
-    assert mem.get(rec.id).access_count == 1
+        assert mem.store.get([rec.id])[rec.id].access_count == 2  # the read does not wait
+    mem.store.touch([rec.id], utcnow())
+    mem.close()
+    again = Memory(tmp_path / "m.db", embedder=embedder)
+    assert again.get(rec.id).access_count == 4
+    again.close()
 
 
 def test_access_counts_leave_the_checkpoint_to_the_background(mem: Memory) -> None:

@@ -30,21 +30,20 @@ from ...errors import StoreError
 from ...model import Job, JobStatus, MemoryRecord
 from .. import cachefile
 from .. import records as r
-from ..base import Candidate, Key, Lexical, Query
+from ..base import Candidate, Key, Lexical, Query, Seen, Select
 from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import ann, lexicon, schema, sql
-from .conn import BUSY_ERRORS, DB_ERRORS, Connections
+from .conn import DB_ERRORS, Connections
 from .lexicon import MAX_DEAD, Lexicon
 
 log = logging.getLogger("engram.store")
 
 SLAB_MAGIC = b"engram-slab\n\x00\x00\x00\x00"  # the first 16 bytes of a saved dense cache
 SLAB_FORMAT = 1
-TOUCH_WAIT_S = 0.05  # how long a search waits for the write turn to count its accesses
 # A commit that finds the WAL past SQLite's autocheckpoint (1,000 pages, its default) copies
-# it into the database and fsyncs, ~20 ms here: an access count, on a search's path, leaves
-# that to the background thread, once every this many counts.
+# it into the database and fsyncs, ~20 ms here: access counts, on a search's path, leave that
+# to the background thread, once every this many counting commits.
 TOUCH_CHECKPOINT_EVERY = 64
 AUTOCHECKPOINT_PAGES = 1000
 
@@ -93,7 +92,11 @@ class SQLiteStore(SQLStore):
         self._saver_pid = 0
         self._saver_lock = threading.Lock()
         self._closing = False
-        self._touches = 0  # access counts committed since the last background checkpoint
+        self._touches = 0  # counting commits since the last background checkpoint
+        # Access counts that found the write turn taken: (ids, at), applied by the next
+        # count that gets the turn, by a read, by the background thread or at close.
+        self._counts: list[tuple[Sequence[str], datetime]] = []
+        self._counts_lock = threading.Lock()
         _STORES.add(self)
         schema.migrate(self._db)
         # lex_log is bounded once its horizon exists (always after `migrate`; the upgrade test
@@ -138,9 +141,11 @@ class SQLiteStore(SQLStore):
             self._slabs_lock, self._slabs = threading.Lock(), OrderedDict()
         if self._saver_lock.locked():
             self._saver_lock = threading.Lock()
+        self._counts, self._counts_lock = [], threading.Lock()  # the parent's to apply
 
     def close(self) -> None:
-        """Close the connections, after the cache files being saved are written."""
+        """Close the connections, after the access counts and cache files pending are written."""
+        self._apply_counts(wait=True)
         with self._saver_lock:
             self._closing = True
             saver, self._saver = self._saver, None
@@ -610,39 +615,77 @@ class SQLiteStore(SQLStore):
                     return slab.visible_ids(query, ids)
         return self._visible(query, ids)
 
+    def read_memories(self, sel: Select) -> list[MemoryRecord]:
+        self._apply_counts(wait=True)  # a read sees this process's access counts
+        return super().read_memories(sel)
+
+    def access(self, ids: Sequence[str], at: datetime) -> dict[str, MemoryRecord]:
+        # the records as they are (not waiting for counts pending: a search never waits for a
+        # write), then this access counted
+        found = {rec.id: rec for rec in super().read_memories(
+            Select(ids=tuple(ids), seen=Seen.ALL, order=None))} if ids else {}
+        self.touch(list(found), at)
+        return found
+
     def touch(self, ids: Sequence[str], at: datetime) -> None:
+        """Count an access of `ids`: now if this process's write turn is free, else once it
+        is (the next count that gets it, a read, the background thread, or `close`). A search
+        never waits for an add to count what it found."""
         if not ids:
             return
-        # Long enough for this process's own short writes (a cache file named in the background,
-        # one add), short of a queue of them: a search does not wait for a busy writer.
-        if not self._db.try_writer(TOUCH_WAIT_S):
-            log.debug("access tracking skipped: this process is writing")
-            return
+        with self._counts_lock:
+            self._counts.append((list(ids), at))
+        if not self._apply_counts(wait=False):
+            self._in_background(self._apply_pending)
+
+    def _apply_pending(self) -> None:
+        self._apply_counts(wait=True)
+
+    def _apply_counts(self, *, wait: bool) -> bool:
+        """Write the pending access counts in one transaction, in the write turn (waiting for
+        it up to the busy timeout if `wait`); False when not written because the turn was taken.
+        Best effort: counts lost to a database error are logged, never retried twice."""
+        if not self._counts:
+            return True
+        if self._db.get().in_transaction:  # a read inside this thread's write: after it
+            return False
+        if not self._db.try_writer(self.busy_timeout_s if wait else 0):
+            return False
+        with self._counts_lock:
+            counts, self._counts = self._counts, []
+        by_id: dict[str, tuple[int, float]] = {}
+        for ids, at in counts:
+            t = at.timestamp()
+            for mid in ids:
+                n, last = by_id.get(mid, (0, t))
+                by_id[mid] = (n + 1, max(last, t))
         conn = self._db.get()
         try:
-            conn.execute("PRAGMA busy_timeout = 20")
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000) if wait else 20}")
             # An access count is not worth an fsync per search: in WAL mode NORMAL commits
             # without one (a power cut may lose the last counts, never corrupt the file).
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA wal_autocheckpoint = 0")
             conn.execute("BEGIN IMMEDIATE")
-            conn.execute(
-                "UPDATE memories SET access_count = access_count + 1, last_accessed_at = ? "
-                f"WHERE id IN ({self.dialect.marks(len(ids))})", [at.timestamp(), *ids])
+            conn.executemany(
+                "UPDATE memories SET access_count = access_count + ?1, "
+                "last_accessed_at = max(ifnull(last_accessed_at, ?2), ?2) WHERE id = ?3",
+                [(n, last, mid) for mid, (n, last) in by_id.items()])
             conn.execute("COMMIT")
             self._touches += 1
             if self._touches >= TOUCH_CHECKPOINT_EVERY:
                 self._touches = 0
                 self._in_background(self._checkpoint)
-        except BUSY_ERRORS as exc:
+        except DB_ERRORS as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            log.debug("access tracking skipped: %s", exc)
+            log.debug("access counts of %d memories skipped: %s", len(by_id), exc)
         finally:
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute(f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES}")
             conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
             self._db.release_writer()
+        return True
 
     def _checkpoint(self) -> None:
         """Copy the WAL into the database as far as no reader still needs it (PASSIVE: it
