@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import sqlite3
 import threading
 import time
 import types
 import typing
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -462,10 +464,20 @@ def test_an_access_never_waits_for_a_write_and_is_counted_after_it(tmp_path: Pat
     again.close()
 
 
+def test_access_counts_are_written_in_the_background(mem: Memory) -> None:
+    rec = mem.add("Ana adopted a cat named Miso", user_id="ana").memories[0]
+    for _ in range(3):
+        assert mem.search("cat named Miso", user_id="ana")[0].memory.id == rec.id
+    mem.store.wait_for_saves()  # no read through the store: its background thread wrote them
+    with closing(sqlite3.connect(mem.store.path)) as raw:
+        (count,), = raw.execute("SELECT access_count FROM memories WHERE id = ?", [rec.id])
+    assert count == 3
+
+
 def test_access_counts_leave_the_checkpoint_to_the_background(mem: Memory) -> None:
     # A commit that finds the WAL past 1,000 pages copies it into the database and fsyncs
-    # (~20 ms: a search's p99). Access counts never do; the store's background thread does,
-    # every TOUCH_CHECKPOINT_EVERY counts.
+    # (~20 ms) while it holds the write turn. Access counts never do; the store's background
+    # thread does, every TOUCH_CHECKPOINT_EVERY commits of counts, outside the turn.
     ids = [r.id for r in mem.add([f"note {i} on the garden, the bicycle and the rain"
                                   for i in range(400)], user_id="ana").memories]
     store = mem.store
@@ -475,10 +487,12 @@ def test_access_counts_leave_the_checkpoint_to_the_background(mem: Memory) -> No
     database = store.path.read_bytes()
     for _ in range(TOUCH_CHECKPOINT_EVERY - 1):
         store.touch(ids, utcnow())
+        store.get(ids[:1])  # a read writes the counts pending: one commit per count here
     frames = (wal.stat().st_size - 32) // (4096 + 24)  # the WAL header, then page-sized frames
     assert frames > AUTOCHECKPOINT_PAGES  # where a commit of its own would have checkpointed
     assert store.path.read_bytes() == database
     store.touch(ids, utcnow())
+    store.get(ids[:1])
     store.wait_for_saves()
     assert store.path.read_bytes() != database
     assert mem.get(ids[0]).access_count == TOUCH_CHECKPOINT_EVERY

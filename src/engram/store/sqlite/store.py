@@ -41,9 +41,10 @@ log = logging.getLogger("engram.store")
 
 SLAB_MAGIC = b"engram-slab\n\x00\x00\x00\x00"  # the first 16 bytes of a saved dense cache
 SLAB_FORMAT = 1
+COUNTS_EVERY_S = 0.2  # how often the background thread writes the access counts of searches
 # A commit that finds the WAL past SQLite's autocheckpoint (1,000 pages, its default) copies
-# it into the database and fsyncs, ~20 ms here: access counts, on a search's path, leave that
-# to the background thread, once every this many counting commits.
+# it into the database and fsyncs, ~20 ms here: access counts leave that to the background
+# thread, once every this many counting commits.
 TOUCH_CHECKPOINT_EVERY = 64
 AUTOCHECKPOINT_PAGES = 1000
 
@@ -93,9 +94,9 @@ class SQLiteStore(SQLStore):
         self._saver_lock = threading.Lock()
         self._closing = False
         self._touches = 0  # counting commits since the last background checkpoint
-        # Access counts that found the write turn taken: (ids, at), applied by the next
-        # count that gets the turn, by a read, by the background thread or at close.
+        # Access counts not yet written, (ids, at): `touch`
         self._counts: list[tuple[Sequence[str], datetime]] = []
+        self._counts_due = False  # the background thread is to write them
         self._counts_lock = threading.Lock()
         _STORES.add(self)
         schema.migrate(self._db)
@@ -141,11 +142,12 @@ class SQLiteStore(SQLStore):
             self._slabs_lock, self._slabs = threading.Lock(), OrderedDict()
         if self._saver_lock.locked():
             self._saver_lock = threading.Lock()
-        self._counts, self._counts_lock = [], threading.Lock()  # the parent's to apply
+        # the parent's to write
+        self._counts, self._counts_due, self._counts_lock = [], False, threading.Lock()
 
     def close(self) -> None:
         """Close the connections, after the access counts and cache files pending are written."""
-        self._apply_counts(wait=True)
+        self._apply_counts()
         with self._saver_lock:
             self._closing = True
             saver, self._saver = self._saver, None
@@ -616,7 +618,7 @@ class SQLiteStore(SQLStore):
         return self._visible(query, ids)
 
     def read_memories(self, sel: Select) -> list[MemoryRecord]:
-        self._apply_counts(wait=True)  # a read sees this process's access counts
+        self._apply_counts()  # a read sees this process's access counts
         return super().read_memories(sel)
 
     def access(self, ids: Sequence[str], at: datetime) -> dict[str, MemoryRecord]:
@@ -628,29 +630,32 @@ class SQLiteStore(SQLStore):
         return found
 
     def touch(self, ids: Sequence[str], at: datetime) -> None:
-        """Count an access of `ids`: now if this process's write turn is free, else once it
-        is (the next count that gets it, a read, the background thread, or `close`). A search
-        never waits for an add to count what it found."""
+        """Count an access of `ids`, written with the other counts of the next `COUNTS_EVERY_S`
+        by the background thread (or first by a read, which sees them, or `close`): a search
+        writes nothing, so it never waits for a writer, nor makes one wait."""
         if not ids:
             return
         with self._counts_lock:
             self._counts.append((list(ids), at))
-        if not self._apply_counts(wait=False):
-            self._in_background(self._apply_pending)
+            due, self._counts_due = self._counts_due, True
+        if not due:
+            self._in_background(self._apply_due)
 
-    def _apply_pending(self) -> None:
-        self._apply_counts(wait=True)
+    def _apply_due(self) -> None:
+        time.sleep(COUNTS_EVERY_S)  # the counts of the searches meanwhile go in the same commit
+        with self._counts_lock:
+            self._counts_due = False
+        self._apply_counts()
 
-    def _apply_counts(self, *, wait: bool) -> bool:
-        """Write the pending access counts in one transaction, in the write turn (waiting for
-        it up to the busy timeout if `wait`); False when not written because the turn was taken.
-        Best effort: counts lost to a database error are logged, never retried twice."""
+    def _apply_counts(self) -> None:
+        """Write the pending access counts in one transaction, in this process's write turn.
+        Best effort: counts lost to a database error are logged, never tried twice."""
         if not self._counts:
-            return True
+            return
         if self._db.get().in_transaction:  # a read inside this thread's write: after it
-            return False
-        if not self._db.try_writer(self.busy_timeout_s if wait else 0):
-            return False
+            return
+        if not self._db.try_writer(self.busy_timeout_s):
+            return
         with self._counts_lock:
             counts, self._counts = self._counts, []
         by_id: dict[str, tuple[int, float]] = {}
@@ -661,7 +666,6 @@ class SQLiteStore(SQLStore):
                 by_id[mid] = (n + 1, max(last, t))
         conn = self._db.get()
         try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000) if wait else 20}")
             # An access count is not worth an fsync per search: in WAL mode NORMAL commits
             # without one (a power cut may lose the last counts, never corrupt the file).
             conn.execute("PRAGMA synchronous = NORMAL")
@@ -683,9 +687,7 @@ class SQLiteStore(SQLStore):
         finally:
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute(f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES}")
-            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
             self._db.release_writer()
-        return True
 
     def _checkpoint(self) -> None:
         """Copy the WAL into the database as far as no reader still needs it (PASSIVE: it
