@@ -42,6 +42,9 @@ log = logging.getLogger("engram.store")
 SLAB_MAGIC = b"engram-slab\n\x00\x00\x00\x00"  # the first 16 bytes of a saved dense cache
 SLAB_FORMAT = 1
 COUNTS_EVERY_S = 0.2  # how often the background thread writes the access counts of searches
+# How long a read waits for the write turn to write the counts pending first (and see them):
+# this process's short writes (an add, a cache file named), not a long one.
+COUNTS_READ_WAIT_S = 0.05
 # A commit that finds the WAL past SQLite's autocheckpoint (1,000 pages, its default) copies
 # it into the database and fsyncs, ~20 ms here: access counts leave that to the background
 # thread, once every this many counting commits.
@@ -98,6 +101,7 @@ class SQLiteStore(SQLStore):
         self._counts: list[tuple[Sequence[str], datetime]] = []
         self._counts_due = False  # the background thread is to write them
         self._counts_lock = threading.Lock()
+        self._closed = threading.Event()  # cuts the background thread's wait for more counts
         _STORES.add(self)
         schema.migrate(self._db)
         # lex_log is bounded once its horizon exists (always after `migrate`; the upgrade test
@@ -147,10 +151,14 @@ class SQLiteStore(SQLStore):
 
     def close(self) -> None:
         """Close the connections, after the access counts and cache files pending are written."""
-        self._apply_counts()
         with self._saver_lock:
             self._closing = True
             saver, self._saver = self._saver, None
+        self._closed.set()
+        try:
+            self._apply_counts()
+        except Exception as exc:  # a hint for forgetting: closing goes on
+            log.warning("access counts not written at close: %s", exc)
         if saver is not None and self._saver_pid == os.getpid():
             saver.shutdown(wait=True)
         with self._lex_lock:
@@ -618,7 +626,7 @@ class SQLiteStore(SQLStore):
         return self._visible(query, ids)
 
     def read_memories(self, sel: Select) -> list[MemoryRecord]:
-        self._apply_counts()  # a read sees this process's access counts
+        self._apply_counts(COUNTS_READ_WAIT_S)  # a read sees this process's access counts
         return super().read_memories(sel)
 
     def access(self, ids: Sequence[str], at: datetime) -> dict[str, MemoryRecord]:
@@ -642,19 +650,20 @@ class SQLiteStore(SQLStore):
             self._in_background(self._apply_due)
 
     def _apply_due(self) -> None:
-        time.sleep(COUNTS_EVERY_S)  # the counts of the searches meanwhile go in the same commit
+        self._closed.wait(COUNTS_EVERY_S)  # the counts of the searches meanwhile go in one commit
         with self._counts_lock:
             self._counts_due = False
         self._apply_counts()
 
-    def _apply_counts(self) -> None:
-        """Write the pending access counts in one transaction, in this process's write turn.
+    def _apply_counts(self, wait_s: float | None = None) -> None:
+        """Write the pending access counts in one transaction, in this process's write turn
+        (waiting for it up to `wait_s`, else the busy timeout; not taken, they stay pending).
         Best effort: counts lost to a database error are logged, never tried twice."""
         if not self._counts:
             return
         if self._db.get().in_transaction:  # a read inside this thread's write: after it
             return
-        if not self._db.try_writer(self.busy_timeout_s):
+        if not self._db.try_writer(self.busy_timeout_s if wait_s is None else wait_s):
             return
         with self._counts_lock:
             counts, self._counts = self._counts, []
