@@ -457,13 +457,23 @@ def test_an_access_never_waits_for_a_write_and_is_counted_after_it(tmp_path: Pat
     holder.join()
     assert mem.get(rec.id).access_count == 2  # the turn free, a read writes them first
 
+    # another process's write (a connection of its own): a read does not wait for it either
+    with closing(sqlite3.connect(mem.store.path, isolation_level=None)) as other:
+        other.execute("BEGIN IMMEDIATE")
+        mem.store.touch([rec.id], utcnow())
+        started = time.perf_counter()
+        assert mem.get(rec.id).access_count == 2
+        assert time.perf_counter() - started < 1
+        other.execute("COMMIT")
+    assert mem.get(rec.id).access_count == 3  # kept, and written once the database is free
+
     with mem.store.write():  # counted inside this thread's write: after it, not inside it
         mem.store.touch([rec.id], utcnow())
-        assert mem.store.get([rec.id])[rec.id].access_count == 2  # the read does not wait
+        assert mem.store.get([rec.id])[rec.id].access_count == 3  # the read does not wait
     mem.store.touch([rec.id], utcnow())
     mem.close()
     again = Memory(tmp_path / "m.db", embedder=embedder)
-    assert again.get(rec.id).access_count == 4
+    assert again.get(rec.id).access_count == 5
     again.close()
 
 

@@ -657,13 +657,15 @@ class SQLiteStore(SQLStore):
 
     def _apply_counts(self, wait_s: float | None = None) -> None:
         """Write the pending access counts in one transaction, in this process's write turn
-        (waiting for it up to `wait_s`, else the busy timeout; not taken, they stay pending).
-        Best effort: counts lost to a database error are logged, never tried twice."""
+        (waiting for it, and for other processes' writers, up to `wait_s`, else the busy
+        timeout; not taken, they stay pending). Best effort: counts a database error other than
+        a busy one refuses are logged and dropped."""
         if not self._counts:
             return
         if self._db.get().in_transaction:  # a read inside this thread's write: after it
             return
-        if not self._db.try_writer(self.busy_timeout_s if wait_s is None else wait_s):
+        wait_s = self.busy_timeout_s if wait_s is None else wait_s
+        if not self._db.try_writer(wait_s):
             return
         with self._counts_lock:
             counts, self._counts = self._counts, []
@@ -675,6 +677,7 @@ class SQLiteStore(SQLStore):
                 by_id[mid] = (n + 1, max(last, t))
         conn = self._db.get()
         try:
+            conn.execute(f"PRAGMA busy_timeout = {int(wait_s * 1000)}")  # other processes' writes too
             # An access count is not worth an fsync per search: in WAL mode NORMAL commits
             # without one (a power cut may lose the last counts, never corrupt the file).
             conn.execute("PRAGMA synchronous = NORMAL")
@@ -692,10 +695,18 @@ class SQLiteStore(SQLStore):
         except DB_ERRORS as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            log.debug("access counts of %d memories skipped: %s", len(by_id), exc)
+            if "locked" in str(exc) or "busy" in str(exc):  # another process writing: later
+                with self._counts_lock:
+                    self._counts[:0] = counts
+                    due, self._counts_due = self._counts_due, True
+                if not due:
+                    self._in_background(self._apply_due)
+            else:
+                log.debug("access counts of %d memories skipped: %s", len(by_id), exc)
         finally:
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute(f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES}")
+            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
             self._db.release_writer()
 
     def _checkpoint(self) -> None:
