@@ -34,7 +34,7 @@ from engram import (
 from engram.model import Scope, utcnow
 from engram.pipeline.index import window_vector
 from engram.store import Query
-from engram.store.sqlite.store import AUTOCHECKPOINT_PAGES, TOUCH_CHECKPOINT_EVERY
+from engram.store.sqlite.store import AUTOCHECKPOINT_PAGES, COUNTS_CHECKPOINT_EVERY
 
 
 def ids_of(mem: Memory, **kw: Any) -> list[str]:
@@ -490,15 +490,15 @@ def test_access_counts_are_written_in_the_background(mem: Memory) -> None:
 def test_access_counts_leave_the_checkpoint_to_the_background(mem: Memory) -> None:
     # A commit that finds the WAL past 1,000 pages copies it into the database and fsyncs
     # (~20 ms) while it holds the write turn. Access counts never do; the store's background
-    # thread does, every TOUCH_CHECKPOINT_EVERY commits of counts, outside the turn.
+    # thread does, every COUNTS_CHECKPOINT_EVERY commits of counts, outside the turn.
     ids = [r.id for r in mem.add([f"note {i} on the garden, the bicycle and the rain"
                                   for i in range(400)], user_id="ana").memories]
     store = mem.store
     store._db.get().execute("PRAGMA wal_checkpoint(TRUNCATE)")  # an empty WAL to count from
-    store._touches = 0
+    store._count_commits = 0
     wal = store.path.with_name(store.path.name + "-wal")
     database = store.path.read_bytes()
-    for _ in range(TOUCH_CHECKPOINT_EVERY - 1):
+    for _ in range(COUNTS_CHECKPOINT_EVERY - 1):
         store.touch(ids, utcnow())
         store.get(ids[:1])  # a read writes the counts pending: one commit per count here
     frames = (wal.stat().st_size - 32) // (4096 + 24)  # the WAL header, then page-sized frames
@@ -508,7 +508,7 @@ def test_access_counts_leave_the_checkpoint_to_the_background(mem: Memory) -> No
     store.get(ids[:1])
     store.wait_for_saves()
     assert store.path.read_bytes() != database
-    assert mem.get(ids[0]).access_count == TOUCH_CHECKPOINT_EVERY
+    assert mem.get(ids[0]).access_count == COUNTS_CHECKPOINT_EVERY
 
 
 # -- export / import -------------------------------------------------------------------------

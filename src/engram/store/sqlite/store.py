@@ -48,7 +48,7 @@ COUNTS_READ_WAIT_S = 0.05
 # A commit that finds the WAL past SQLite's autocheckpoint (1,000 pages, its default) copies
 # it into the database and fsyncs, ~20 ms here: access counts leave that to the background
 # thread, once every this many counting commits.
-TOUCH_CHECKPOINT_EVERY = 64
+COUNTS_CHECKPOINT_EVERY = 64
 AUTOCHECKPOINT_PAGES = 1000
 
 
@@ -96,7 +96,7 @@ class SQLiteStore(SQLStore):
         self._saver_pid = 0
         self._saver_lock = threading.Lock()
         self._closing = False
-        self._touches = 0  # counting commits since the last background checkpoint
+        self._count_commits = 0  # commits of access counts since the last background checkpoint
         # Access counts not yet written, (ids, at): `touch`
         self._counts: list[tuple[Sequence[str], datetime]] = []
         self._counts_due = False  # the background thread is to write them
@@ -688,9 +688,9 @@ class SQLiteStore(SQLStore):
                 "last_accessed_at = max(ifnull(last_accessed_at, ?2), ?2) WHERE id = ?3",
                 [(n, last, mid) for mid, (n, last) in by_id.items()])
             conn.execute("COMMIT")
-            self._touches += 1
-            if self._touches >= TOUCH_CHECKPOINT_EVERY:
-                self._touches = 0
+            self._count_commits += 1
+            if self._count_commits >= COUNTS_CHECKPOINT_EVERY:
+                self._count_commits = 0
                 self._in_background(self._checkpoint)
         except DB_ERRORS as exc:
             if conn.in_transaction:
