@@ -62,6 +62,11 @@ def is_plain(path: Path) -> bool:
     return header(path) == PLAIN_HEADER
 
 
+def is_busy(exc: Exception) -> bool:
+    """Is it SQLite saying another connection holds the lock (not another failure)?"""
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
 def quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
@@ -224,7 +229,7 @@ class Connections:
                 conn.execute("BEGIN IMMEDIATE")
                 break
             except BUSY_ERRORS as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
+                if not is_busy(exc):
                     raise StoreError(f"{self.label}: {exc}") from exc
                 if time.monotonic() > deadline:
                     raise StoreBusy(f"{self.label} stayed locked for {self.busy_timeout_s}s") from exc

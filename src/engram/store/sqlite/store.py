@@ -34,7 +34,7 @@ from ..base import Candidate, Key, Lexical, Query, Seen, Select
 from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import ann, lexicon, schema, sql
-from .conn import DB_ERRORS, Connections
+from .conn import DB_ERRORS, Connections, is_busy
 from .lexicon import MAX_DEAD, Lexicon
 
 log = logging.getLogger("engram.store")
@@ -95,13 +95,12 @@ class SQLiteStore(SQLStore):
         self._saver: ThreadPoolExecutor | None = None  # saves cache files (`_in_background`)
         self._saver_pid = 0
         self._saver_lock = threading.Lock()
-        self._closing = False
         self._count_commits = 0  # commits of access counts since the last background checkpoint
         # Access counts not yet written, (ids, at): `touch`
         self._counts: list[tuple[Sequence[str], datetime]] = []
         self._counts_due = False  # the background thread is to write them
         self._counts_lock = threading.Lock()
-        self._closed = threading.Event()  # cuts the background thread's wait for more counts
+        self._closing = threading.Event()  # set by `close`: no more background work
         _STORES.add(self)
         schema.migrate(self._db)
         # lex_log is bounded once its horizon exists (always after `migrate`; the upgrade test
@@ -152,9 +151,8 @@ class SQLiteStore(SQLStore):
     def close(self) -> None:
         """Close the connections, after the access counts and cache files pending are written."""
         with self._saver_lock:
-            self._closing = True
+            self._closing.set()
             saver, self._saver = self._saver, None
-        self._closed.set()
         try:
             self._apply_counts()
         except Exception as exc:  # a hint for forgetting: closing goes on
@@ -349,7 +347,7 @@ class SQLiteStore(SQLStore):
     def _warm(self, slab: Slab) -> None:
         """Build the candidates of a cache loaded from its file, a chunk at a time under the
         lock, off the request path (a search builds the ones it needs first itself)."""
-        while not self._closing:
+        while not self._closing.is_set():
             with self._slabs_lock:
                 if not slab.warm(5_000):  # ~50 ms: a search waits no longer than that
                     return
@@ -387,7 +385,7 @@ class SQLiteStore(SQLStore):
                 log.exception("background cache work failed")
 
         with self._saver_lock:
-            if self._closing:
+            if self._closing.is_set():
                 return
             if self._saver is None or self._saver_pid != os.getpid():  # none, or a parent's
                 self._saver = ThreadPoolExecutor(1, thread_name_prefix="engram-cache-save")
@@ -650,7 +648,7 @@ class SQLiteStore(SQLStore):
             self._in_background(self._apply_due)
 
     def _apply_due(self) -> None:
-        self._closed.wait(COUNTS_EVERY_S)  # the counts of the searches meanwhile go in one commit
+        self._closing.wait(COUNTS_EVERY_S)  # the counts of the searches meanwhile go in one commit
         with self._counts_lock:
             self._counts_due = False
         self._apply_counts()
@@ -695,7 +693,7 @@ class SQLiteStore(SQLStore):
         except DB_ERRORS as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            if "locked" in str(exc) or "busy" in str(exc):  # another process writing: later
+            if is_busy(exc):  # another process writing: later
                 with self._counts_lock:
                     self._counts[:0] = counts
                     due, self._counts_due = self._counts_due, True
