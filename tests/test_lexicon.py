@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -229,6 +230,54 @@ def test_falls_back_to_fts5_inside_a_write_and_for_long_phrases(store: SQLiteSto
         assert [m for m, _ in store.lexical(q, ["zebra"], 10, 0.5)] == [r.id]
     assert store._lex.scores(["a-b-c"], [], 0.5) is None  # three tokens: FTS5 answers
     same(store.lexical(q, ["a-b-c", "zebra"], 10, 0.5), fts5(store, q, ["a-b-c", "zebra"], 10, 0.5), 10)
+
+
+def test_a_search_pool_runs_its_lexical_side_beside_the_dense_one(
+        store: SQLiteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a large scope `pool` hands the lexical side to the store's helper thread while its
+    own thread searches the dense keys, and answers what one thread doing both answers. It
+    keeps both on its own thread for a small scope, when the helper is taken (searches never
+    queue for it) and inside a write, whose uncommitted rows only its own connection sees."""
+    from engram.store.base import StoreBase
+
+    rng = random.Random(11)
+    fill(store, 300, rng)
+    q = Query(scope=SCOPES[0], now=NOW)
+    vector = np.ones(4, dtype=np.float32) / 2
+    where: list[str] = []
+    lexical = store.lexical
+
+    def traced(*a: object, **kw: object) -> list[tuple[str, float]]:
+        where.append(threading.current_thread().name)
+        return lexical(*a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store, "lexical", traced)
+
+    def pool(words: list[str]) -> dict[str, list[tuple[str, float]]]:
+        return store.pool(q, 20, vector=vector, keys=["text"], terms=words, previous_weight=0.5)
+
+    pool(["ramen"])
+    assert where == ["MainThread"]  # 300 keys: below the ANN threshold, nothing to gain
+    where.clear()
+    monkeypatch.setattr(store, "_large", lambda query: True)
+    for words in queries(rng, 20):
+        alone = StoreBase.pool(store, q, 20, vector=vector, keys=["text"], terms=words)
+        assert pool(words) == alone and alone["lexical"] and alone["text"]
+    assert where[0::2] == ["MainThread"] * 20  # StoreBase.pool: the caller's thread
+    assert {w.split("_")[0] for w in where[1::2]} == {"engram-search"}
+    where.clear()
+    assert store._helper_free.acquire(blocking=False)  # another search holds the helper
+    pool(["ramen"])
+    store._helper_free.release()
+    r = record("zebra crossing", SCOPES[0], rng)
+    with store.write() as tx:
+        tx.insert(r, [Key("text", vector)], Lexical(r.text))
+        assert [m for m, _ in pool(["zebra"])["lexical"]] == [r.id]  # the write's own row
+    assert where == ["MainThread", "MainThread"]
+    monkeypatch.setattr(store, "lexical", lambda *a, **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # the helper's error is the search's
+        pool(["ramen"])
+    assert store._helper_free.acquire(blocking=False)  # and the helper is free again
 
 
 def test_small_databases_stay_on_fts5(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import replace
 from datetime import datetime
@@ -95,6 +95,9 @@ class SQLiteStore(SQLStore):
         self._saver: ThreadPoolExecutor | None = None  # saves cache files (`_in_background`)
         self._saver_pid = 0
         self._saver_lock = threading.Lock()
+        self._helper: ThreadPoolExecutor | None = None  # a search's lexical side (`pool`)
+        self._helper_pid = 0
+        self._helper_free = threading.Semaphore(1)  # taken while a search uses the helper
         self._count_commits = 0  # commits of access counts since the last background checkpoint
         # Access counts not yet written, (ids, at): `touch`
         self._counts: list[tuple[Sequence[str], datetime]] = []
@@ -145,6 +148,7 @@ class SQLiteStore(SQLStore):
             self._slabs_lock, self._slabs = threading.Lock(), OrderedDict()
         if self._saver_lock.locked():
             self._saver_lock = threading.Lock()
+        self._helper_free = threading.Semaphore(1)  # a parent's search may have held it
         # the parent's to write
         self._counts, self._counts_due, self._counts_lock = [], False, threading.Lock()
 
@@ -159,6 +163,10 @@ class SQLiteStore(SQLStore):
             log.warning("access counts not written at close: %s", exc)
         if saver is not None and self._saver_pid == os.getpid():
             saver.shutdown(wait=True)
+        with self._saver_lock:
+            helper, self._helper = self._helper, None
+        if helper is not None and self._helper_pid == os.getpid():
+            helper.shutdown(wait=True)
         with self._lex_lock:
             if self._lex is not None:
                 self._lex.close()
@@ -523,6 +531,55 @@ class SQLiteStore(SQLStore):
         return out
 
     # -- the rest of the engine-specific primitives --------------------------------------------
+
+    def pool(self, query: Query, k: int, *, vector: np.ndarray | None, keys: Sequence[str],
+             terms: Sequence[str], previous_weight: float = 0.5) -> dict[str, list[tuple[str, float]]]:
+        """The lexical side on the store's helper thread while this one searches the dense
+        keys, when the scope is large (its dense search goes through the HNSW index): both
+        spend most of their time outside the GIL (numpy, usearch, SQLite), so the search takes
+        the longer of the two instead of their sum. On a small scope, where each takes a
+        millisecond or two, handing over costs more than it saves (LoCoMo's p95 12-13 ms rose
+        to 16-17). Not during the query's embedding either: ONNX Runtime's threads take the
+        cores then. A search that finds the helper taken by another does both itself (searches
+        never queue for it: concurrent searches already share the cores). Inside a write
+        transaction both stay on this thread, whose connection sees the write."""
+        if (vector is None or not keys or not terms or not self._large(query)
+                or self._db.get().in_transaction
+                or not self._helper_free.acquire(blocking=False)):
+            return super().pool(query, k, vector=vector, keys=keys, terms=terms,
+                                previous_weight=previous_weight)
+        try:
+            helper = self._search_helper()
+            if helper is None:  # closing
+                return super().pool(query, k, vector=vector, keys=keys, terms=terms,
+                                    previous_weight=previous_weight)
+            lexical = helper.submit(self.lexical, query, terms, k, previous_weight)
+            try:
+                found = {key: self.dense(query, vector, k, key=key) for key in keys}
+            except BaseException:
+                wait([lexical])  # never left running; this error is the search's
+                raise
+            found["lexical"] = lexical.result()
+            return found
+        finally:
+            self._helper_free.release()
+
+    def _large(self, query: Query) -> bool:
+        """Whether the scope's cached `text` keys are more than the ANN threshold."""
+        s = query.scope
+        with self._slabs_lock:
+            slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, "text"))
+        return slab is not None and slab.n > self.ann_threshold
+
+    def _search_helper(self) -> ThreadPoolExecutor | None:
+        """The store's thread for a search's lexical side (this process's; none once closing)."""
+        with self._saver_lock:
+            if self._closing.is_set():
+                return None
+            if self._helper is None or self._helper_pid != os.getpid():  # none, or a parent's
+                self._helper = ThreadPoolExecutor(1, thread_name_prefix="engram-search")
+                self._helper_pid = os.getpid()
+            return self._helper
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
