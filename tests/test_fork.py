@@ -5,6 +5,7 @@ and opens its own database connections."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,32 @@ def test_a_child_forked_while_a_parent_thread_held_the_caches_works(tmp_path: Pa
     ctx = multiprocessing.get_context("fork")
     with store._lex_lock, store._slabs_lock, store._saver_lock:  # as a parent thread would
         children = [ctx.Process(target=_child, args=(mem, n)) for n in range(2)]
+        for c in children:
+            c.start()
+    _finish(children)
+    assert len(mem.search("child 1 remembers", user_id="u", limit=30)) >= 10  # the parent too
+    mem.close()
+
+
+def _child_with_helper(mem: Memory, n: int) -> None:
+    _child(mem, n)
+    store = mem._engine.store
+    assert store._helper_pid == os.getpid()  # its own helper thread searched the lexical side
+
+
+def test_forked_children_search_a_large_scope_with_their_own_helper(tmp_path: Path) -> None:
+    """A large scope's search hands its lexical side to the store's helper thread. A child
+    forked after the parent used it (and while a parent search held it) starts its own
+    helper instead of waiting for one that does not exist there."""
+    mem = Memory(tmp_path / "m.db", embedder=MiniLM())
+    store = mem._engine.store
+    store._large = lambda query: True  # as a scope above the ANN threshold
+    mem.add("the parent was here first", user_id="u")
+    assert mem.search("parent", user_id="u")
+    assert store._helper_pid == os.getpid()
+    ctx = multiprocessing.get_context("fork")
+    with store._helper_free:  # as a parent search in flight would hold it
+        children = [ctx.Process(target=_child_with_helper, args=(mem, n)) for n in range(2)]
         for c in children:
             c.start()
     _finish(children)
