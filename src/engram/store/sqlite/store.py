@@ -157,14 +157,13 @@ class SQLiteStore(SQLStore):
         with self._saver_lock:
             self._closing.set()
             saver, self._saver = self._saver, None
+            helper, self._helper = self._helper, None
         try:
             self._apply_counts()
         except Exception as exc:  # a hint for forgetting: closing goes on
             log.warning("access counts not written at close: %s", exc)
         if saver is not None and self._saver_pid == os.getpid():
             saver.shutdown(wait=True)
-        with self._saver_lock:
-            helper, self._helper = self._helper, None
         if helper is not None and self._helper_pid == os.getpid():
             helper.shutdown(wait=True)
         with self._lex_lock:
