@@ -23,6 +23,15 @@ def _child(mem: Memory, n: int) -> None:
     assert len(mem.search(f"child {n} remembers", user_id="u", limit=20)) >= 10
 
 
+def _fork(mem: Memory, target: Any = None) -> list[multiprocessing.process.BaseProcess]:
+    """Two children forked from this process, each running `target(mem, n)` (`_child`)."""
+    ctx = multiprocessing.get_context("fork")
+    children = [ctx.Process(target=target or _child, args=(mem, n)) for n in range(2)]
+    for c in children:
+        c.start()
+    return children
+
+
 def _finish(children: list[multiprocessing.process.BaseProcess]) -> None:
     """Wait for the forked children; a child still running after 2 minutes hung."""
     for c in children:
@@ -44,10 +53,7 @@ def test_forked_children_add_and_search_after_the_parent_used_the_memory(
     mem = Memory(tmp_path / "m.db", embedder=EMBEDDERS[runtime]())
     mem.add("the parent was here first", user_id="u")
     assert mem.search("parent", user_id="u")
-    ctx = multiprocessing.get_context("fork")
-    children = [ctx.Process(target=_child, args=(mem, n)) for n in range(2)]
-    for c in children:
-        c.start()
+    children = _fork(mem)
     _finish(children)
     # the parent still works, and sees what both children wrote
     assert mem.embedder.embed_batch(["still here"]).shape == (1, 384)
@@ -67,10 +73,7 @@ def test_forked_children_share_a_postgres_database_with_the_parent(
     try:
         mem.add("the parent was here first", user_id="u")
         assert mem.search("parent", user_id="u")  # the pool now holds idle connections
-        ctx = multiprocessing.get_context("fork")
-        children = [ctx.Process(target=_child, args=(mem, n)) for n in range(2)]
-        for c in children:
-            c.start()
+        children = _fork(mem)
         for _ in range(10):  # the parent goes on using its connections meanwhile
             assert mem.search("the parent was here", user_id="u")[0].memory.text == \
                 "the parent was here first"
@@ -95,11 +98,8 @@ def test_a_child_forked_while_a_parent_thread_held_the_caches_works(tmp_path: Pa
     assert mem.search("parent", user_id="u")
     store = mem._engine.store
     assert store._lex is not None  # the lexical index is in memory, as at every size
-    ctx = multiprocessing.get_context("fork")
     with store._lex_lock, store._slabs_lock, store._saver_lock:  # as a parent thread would
-        children = [ctx.Process(target=_child, args=(mem, n)) for n in range(2)]
-        for c in children:
-            c.start()
+        children = _fork(mem)
     _finish(children)
     assert len(mem.search("child 1 remembers", user_id="u", limit=30)) >= 10  # the parent too
     mem.close()
@@ -121,11 +121,8 @@ def test_forked_children_search_a_large_scope_with_their_own_helper(tmp_path: Pa
     mem.add("the parent was here first", user_id="u")
     assert mem.search("parent", user_id="u")
     assert store._helper_pid == os.getpid()
-    ctx = multiprocessing.get_context("fork")
     with store._helper_free:  # as a parent search in flight would hold it
-        children = [ctx.Process(target=_child_with_helper, args=(mem, n)) for n in range(2)]
-        for c in children:
-            c.start()
+        children = _fork(mem, _child_with_helper)
     _finish(children)
     assert len(mem.search("child 1 remembers", user_id="u", limit=30)) >= 10  # the parent too
     mem.close()

@@ -105,27 +105,23 @@ def build_graph(folder: Path, int8: bool = False) -> Any:
     def w(name: str) -> str:
         return const(name, weights[name].astype(np.float32))
 
-    def wt(*names: str) -> str:
-        """The weights of one or more linear layers, transposed for MatMul and side by side."""
-        value = np.concatenate([weights[n + ".weight"].astype(np.float32).T for n in names], axis=1)
-        return const(names[0] + ".weight.T", np.ascontiguousarray(value))
+    def linear(x: str, out: str, *layers: str) -> str:
+        """x @ the weights of one or more linear layers (transposed, side by side); with
+        `int8`, in 8-bit integers (`quantized`)."""
+        value = np.concatenate([weights[n + ".weight"].astype(np.float32).T for n in layers], axis=1)
+        name = layers[0] + ".weight.T"
+        if int8:
+            return quantized(x, name, value, out)
+        return op("MatMul", [x, const(name, np.ascontiguousarray(value))], out)
 
-    def linear(x: str, weight: str, out: str) -> str:
-        """x @ weight; with `int8`, in 8-bit integers (`quantized`)."""
-        if not int8:
-            return op("MatMul", [x, weight], out)
-        return quantized(x, next(t for t in inits if t.name == weight), out)
-
-    def quantized(x: str, weight: Any, out: str) -> str:
-        """x @ weight in integers: each token's row of x quantized on its own (symmetric, as
+    def quantized(x: str, name: str, w: np.ndarray, out: str) -> str:
+        """x @ w in integers: each token's row of x quantized on its own (symmetric, as
         uint8 around 128), the weights per output channel (symmetric, 7 bits). A scale per row,
         not one per call, keeps a text's vector independent of the texts batched with it; 7-bit
         weights keep the AVX2 kernel's pairwise int16 sums (u8 x s8 + u8 x s8) from saturating.
         One fused kernel multiplies and applies the weights' scales, one Mul the rows'."""
-        inits.remove(weight)
-        w = numpy_helper.to_array(weight)
         sw = np.maximum(np.abs(w).max(axis=0), 1e-12) / 63.0
-        wq = const(weight.name + ".q", np.clip(np.round(w / sw), -63, 63).astype(np.int8))
+        wq = const(name + ".q", np.clip(np.round(w / sw), -63, 63).astype(np.int8))
         peak = op("Max", [op("ReduceMax", [x, axis1], out + ".max", keepdims=0),
                           op("Neg", [op("ReduceMin", [x, axis1], out + ".min", keepdims=0)],
                              out + ".negmin")], out + ".peak")
@@ -133,9 +129,8 @@ def build_graph(folder: Path, int8: bool = False) -> Any:
         mid = op("ConstantOfShape", [op("Shape", [sx], out + ".sx.shape")], out + ".mid",
                  value=numpy_helper.from_array(np.array([128], dtype=np.uint8)))
         xq = op("QuantizeLinear", [x, sx, mid], out + ".xq", axis=0)
-        y = ms("MatMulIntegerToFloat", [xq, wq, fone, const(weight.name + ".scale",
-                                                             sw.astype(np.float32)), u8mid],
-               out + ".y")
+        y = ms("MatMulIntegerToFloat",
+               [xq, wq, fone, const(name + ".scale", sw.astype(np.float32)), u8mid], out + ".y")
         return op("Mul", [y, op("Unsqueeze", [sx, axis1], out + ".sx.col")], out)
 
     def embeddings(table: str, ids: str, out: str) -> str:
@@ -167,10 +162,10 @@ def build_graph(folder: Path, int8: bool = False) -> Any:
 
     zero = const("zero", np.array(0, dtype=np.int64))
     one = const("one", np.array(1, dtype=np.int64))
-    fone = const("fone", np.array(1, dtype=np.float32))
     tiny12 = const("tiny12", np.array(1e-12, dtype=np.float32))
-    i8max = const("i8max", np.array(127, dtype=np.float32))
-    u8mid = const("u8mid", np.array(128, dtype=np.uint8))
+    fone, i8max, u8mid = (  # for `quantized`
+        const("fone", np.array(1, dtype=np.float32)), const("i8max", np.array(127, dtype=np.float32)),
+        const("u8mid", np.array(128, dtype=np.uint8))) if int8 else ("", "", "")
     flat, axis1, rows_shape = i64("flat", -1), i64("axis1", 1), i64("rows", -1, hidden)
     # Where the real tokens are: `real` indexes them in the flattened (batch * tokens) layout,
     # `slot` maps each padded position back to a real token's row in the packed matrix
@@ -196,7 +191,7 @@ def build_graph(folder: Path, int8: bool = False) -> Any:
     for i in range(int(cfg["num_hidden_layers"])):
         p = f"encoder.layer.{i}"
         a = f"{p}.attention.self"
-        qkv = linear(h, wt(f"{a}.query", f"{a}.key", f"{a}.value"), f"{p}.qkv")
+        qkv = linear(h, f"{p}.qkv", f"{a}.query", f"{a}.key", f"{a}.value")
         qkv = op("Reshape", [op("Gather", [qkv, slot], f"{p}.qkv.padded"), qkv_rows],
                  f"{p}.qkv.rows")
         q, k, v = (f"{p}.{n}" for n in ("q", "k", "v"))
@@ -207,12 +202,12 @@ def build_graph(folder: Path, int8: bool = False) -> Any:
         ctx = ms("MultiHeadAttention", [q, k, v, bias, key_mask], f"{p}.ctx", num_heads=heads)
         ctx = op("Gather", [op("Reshape", [ctx, rows_shape], f"{p}.ctx.flat"), real],
                  f"{p}.ctx.real")
-        attn = linear(ctx, wt(f"{p}.attention.output.dense"), f"{p}.attn")
+        attn = linear(ctx, f"{p}.attn", f"{p}.attention.output.dense")
         h = add_norm(attn, h, w(f"{p}.attention.output.dense.bias"),
                      f"{p}.attention.output.LayerNorm", f"{p}.attn.out")
-        inter = linear(h, wt(f"{p}.intermediate.dense"), f"{p}.inter")
+        inter = linear(h, f"{p}.inter", f"{p}.intermediate.dense")
         gelu = ms("BiasGelu", [inter, w(f"{p}.intermediate.dense.bias")], f"{p}.gelu")  # exact (erf)
-        out = linear(gelu, wt(f"{p}.output.dense"), f"{p}.ffn")
+        out = linear(gelu, f"{p}.ffn", f"{p}.output.dense")
         h = add_norm(out, h, w(f"{p}.output.dense.bias"), f"{p}.output.LayerNorm", f"{p}.out")
 
     # Mean pooling of each row's real tokens: a (batch x real tokens) averaging matrix.

@@ -542,16 +542,16 @@ class SQLiteStore(SQLStore):
         cores then. A search that finds the helper taken by another does both itself (searches
         never queue for it: concurrent searches already share the cores). Inside a write
         transaction both stay on this thread, whose connection sees the write."""
-        if (vector is None or not keys or not terms or not self._large(query)
-                or self._db.get().in_transaction
-                or not self._helper_free.acquire(blocking=False)):
+        helper = None
+        if (vector is not None and keys and terms and self._large(query)
+                and not self._db.get().in_transaction and self._helper_free.acquire(blocking=False)):
+            helper = self._search_helper()
+            if helper is None:  # closing
+                self._helper_free.release()
+        if helper is None or vector is None:  # (no vector: no helper)
             return super().pool(query, k, vector=vector, keys=keys, terms=terms,
                                 previous_weight=previous_weight)
         try:
-            helper = self._search_helper()
-            if helper is None:  # closing
-                return super().pool(query, k, vector=vector, keys=keys, terms=terms,
-                                    previous_weight=previous_weight)
             lexical = helper.submit(self.lexical, query, terms, k, previous_weight)
             try:
                 found = {key: self.dense(query, vector, k, key=key) for key in keys}
@@ -699,6 +699,11 @@ class SQLiteStore(SQLStore):
             return
         with self._counts_lock:
             self._counts.append((list(ids), at))
+        self._counts_soon()
+
+    def _counts_soon(self) -> None:
+        """Have the background thread write the pending counts (once for all of them)."""
+        with self._counts_lock:
             due, self._counts_due = self._counts_due, True
         if not due:
             self._in_background(self._apply_due)
@@ -752,9 +757,7 @@ class SQLiteStore(SQLStore):
             if is_busy(exc):  # another process writing: later
                 with self._counts_lock:
                     self._counts[:0] = counts
-                    due, self._counts_due = self._counts_due, True
-                if not due:
-                    self._in_background(self._apply_due)
+                self._counts_soon()
             else:
                 log.debug("access counts of %d memories skipped: %s", len(by_id), exc)
         finally:
