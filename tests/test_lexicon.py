@@ -204,6 +204,49 @@ def test_many_small_writes_merge_their_segments(store: SQLiteStore) -> None:
     check(store, rng, 30)
 
 
+def test_the_top_skips_scoring_what_cannot_enter_it(
+        store: SQLiteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Lexicon.top` scores a common word's postings only for the documents a rarer word
+    already found (MaxScore), and returns what scoring every match gives: the same scores,
+    float for float, and the same documents wherever the cut is not a tie."""
+    rng = random.Random(13)
+    fill(store, 1500, rng)
+    q = Query(scope=Scope(), now=NOW)
+    store.lexical(q, ["ramen"], 10, 0.5)
+    lex = store._lex
+    assert lex is not None
+    scored: list[int] = []
+    accumulate = lex._accumulate
+    monkeypatch.setattr(lex, "_accumulate", lambda score, docs, *a: (
+        scored.append(len(docs)), accumulate(score, docs, *a))[1])
+
+    def everything(words: list[str], owners: list[str]) -> dict[int, float]:
+        """Each matching document's score, every posting scored (the order of the terms)."""
+        ranked = lex.top(words, owners, lex.n, 0.5)  # a cut below every match prunes nothing
+        assert ranked is not None
+        return dict(zip(ranked[0].tolist(), ranked[1].tolist(), strict=True))
+
+    # "went" is in nearly every row (IDF 1e-6): its postings are looked up, not scored
+    words = terms("went lisbon kyoto")
+    full = everything(words, [])
+    postings = sum(len(lex._postings(lex._phrase_key(lex.query_tokens.phrase(w))) [0])
+                   for w in words)
+    scored.clear()
+    docs, got = lex.top(words, [], 20, 0.5)
+    assert sum(scored) < postings // 2
+    assert got.tolist() == sorted(full.values(), reverse=True)[:20]
+    assert all(full[d] == s for d, s in zip(docs.tolist(), got.tolist(), strict=True))
+    for words in queries(rng, 60):
+        words = [w for w in words if w != "o'neil's"]  # three tokens: FTS5 answers
+        for owners in ([], sqlite_sql.owner_tokens(SCOPES[0])):
+            full = everything(words, owners)
+            for size in (1, 7, 40):
+                docs, got = lex.top(words, owners, size, 0.5)
+                want = sorted(full.values(), reverse=True)[:size]
+                assert got.tolist() == want
+                assert all(full[d] == s for d, s in zip(docs.tolist(), got.tolist(), strict=True))
+
+
 def test_visibility_kinds_and_filters_as_in_sql(store: SQLiteStore) -> None:
     rng = random.Random(6)
     recs = fill(store, 400, rng)
@@ -228,7 +271,7 @@ def test_falls_back_to_fts5_inside_a_write_and_for_long_phrases(store: SQLiteSto
         tx.insert(r, [Key("text", np.ones(4, dtype=np.float32) / 2)], Lexical(r.text))
         # the write's own row, uncommitted: FTS5 sees it
         assert [m for m, _ in store.lexical(q, ["zebra"], 10, 0.5)] == [r.id]
-    assert store._lex.scores(["a-b-c"], [], 0.5) is None  # three tokens: FTS5 answers
+    assert store._lex.top(["a-b-c"], [], 10, 0.5) is None  # three tokens: FTS5 answers
     same(store.lexical(q, ["a-b-c", "zebra"], 10, 0.5), fts5(store, q, ["a-b-c", "zebra"], 10, 0.5), 10)
 
 

@@ -41,7 +41,7 @@ import logging
 import math
 import sqlite3
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,9 @@ class Segment:
     docs: np.ndarray    # int32
     body: np.ndarray    # float32 (whole numbers, exact): the term's occurrences in the body
     context: np.ndarray  # float32: ... in the previous turn
+    # per term key searched: its largest counts and its shortest document (`peak`)
+    peaks: dict[int, tuple[float, float, float]] = field(default_factory=dict, init=False,
+                                                         repr=False)
 
     @staticmethod
     def of(keys: np.ndarray, docs: np.ndarray, cols: np.ndarray) -> Segment:
@@ -134,6 +137,20 @@ class Segment:
             return None
         s, e = self.starts[i], self.starts[i + 1]
         return self.docs[s:e], self.body[s:e], self.context[s:e]
+
+    def peak(self, key: int, lens: np.ndarray) -> tuple[float, float, float] | None:
+        """A term's largest count in the body and in the context, and the length of its
+        shortest document, over its postings here (dead documents too: a segment never
+        changes, so neither do these); None if no document here holds it."""
+        found = self.peaks.get(key)
+        if found is None:
+            posted = self.postings(key)
+            if posted is None:
+                return None
+            docs, body, ctx = posted
+            found = self.peaks[key] = (float(body.max()), float(ctx.max()),
+                                       float(lens[docs].min()))
+        return found
 
 
 class Lexicon:
@@ -371,10 +388,19 @@ class Lexicon:
         return None if everything else mask
         return mask
 
-    def scores(self, terms: Sequence[str], owners: Sequence[str],
-               previous_weight: float) -> tuple[np.ndarray, np.ndarray] | None:
-        """Every in-scope document any term matches, with its `-bm25()`; None when a term is
-        a phrase of three tokens or more (FTS5 answers those)."""
+    def top(self, terms: Sequence[str], owners: Sequence[str], size: int,
+            previous_weight: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """The best `size` in-scope documents any term matches (fewer when fewer match), best
+        first, with their `-bm25()`; None when a term is a phrase of three tokens or more
+        (FTS5 answers those).
+
+        Exact without scoring every match (MaxScore): a document that none of the phrases
+        with the highest bounds holds scores at most the sum of the other phrases' bounds
+        (`_bound`), so once the `size`-th best of the documents those phrases hold scores more
+        than that, no other document can enter the top. The other phrases' postings are then
+        only looked up for those documents, not scored. A document's score is the very float
+        a full scoring gives (its terms added in query order); among documents tied at the
+        cut, which ones are returned may differ (as it may between FTS5 and this index)."""
         phrases = []
         for term in terms:
             p = self.query_tokens.phrase(term)
@@ -382,47 +408,91 @@ class Lexicon:
                 return None
             if p:
                 phrases.append(p)
-        if not phrases or not self.count:
+        if not phrases or not self.count or size <= 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         scope = self.in_scope(owners)
-        n_rows = self.count
-        norms = self._norms()
-        if len(self._score) < self.n:
-            self._score, self._hit = np.zeros(self.n), np.zeros(self.n, dtype=bool)
-        # one slot per document: a phrase's postings hold each document once, so a scatter
-        # adds each phrase's term to each score in query order, as FTS5 sums them
-        score, hit = self._score, self._hit
+        posted = []  # per phrase: its in-scope postings, IDF and bound
         for p in phrases:
             key = self._phrase_key(p)
-            docs, body, ctx = self._postings(key if key is not None else -1)
-            hits = len(docs)
-            value = math.log((n_rows - hits + 0.5) / (hits + 0.5))
+            key = -1 if key is None else key
+            docs, body, ctx = self._postings(key)
+            value = math.log((self.count - len(docs) + 0.5) / (len(docs) + 0.5))
             idf = value if value > 0.0 else MIN_IDF
             if scope is not None:
                 keep = scope[docs]
                 docs, body, ctx = docs[keep], body[keep], ctx[keep]
-            # idf * (f * (K1 + 1) / (f + norm)) with f = body + context * previous_weight, in
-            # float64, into reused buffers (the same operations, so the same values)
-            if self._tmp.shape[1] < len(docs):
-                self._tmp = np.zeros((3, max(len(docs), 2 * self._tmp.shape[1])))
-            f, num, den = (t[:len(docs)] for t in self._tmp)
-            np.copyto(f, body)
-            if previous_weight:
-                np.copyto(num, ctx)
-                num *= previous_weight
-                f += num
-            np.multiply(f, K1 + 1.0, out=num)
-            np.take(norms, docs, out=den)
-            den += f
-            np.divide(num, den, out=num)
-            num *= idf
-            score[docs] += num
-            hit[docs] = True
-        docs = np.flatnonzero(hit)
-        out = score[docs]
-        score[docs] = 0.0
-        hit[docs] = False
-        return docs, out
+            # a hair above the bound: a score is summed in floats, the bound in others
+            bound = idf * self._bound(key, previous_weight) * (1 + 1e-9) if len(docs) else 0.0
+            posted.append((docs, body, ctx, idf, bound))
+        order = sorted(range(len(posted)), key=lambda i: -posted[i][4])
+        rest = [0.0] * (len(order) + 1)  # rest[j]: the most a document outside order[:j] scores
+        for j in range(len(order) - 1, -1, -1):
+            rest[j] = rest[j + 1] + posted[order[j]][4]
+        if len(self._score) < self.n:
+            self._score, self._hit = np.zeros(self.n), np.zeros(self.n, dtype=bool)
+        score, hit = self._score, self._hit  # zero and False between searches
+        need = 1
+        while True:
+            chosen = set(order[:need])
+            for i in chosen:
+                hit[posted[i][0]] = True
+            found = np.flatnonzero(hit)
+            if len(found) < size and need < len(order):  # too few to cut: more phrases
+                hit[found] = False
+                need += 1
+                continue
+            for i, (docs, body, ctx, idf, _) in enumerate(posted):  # in query order, as FTS5
+                if i not in chosen:
+                    m = hit[docs]
+                    docs, body, ctx = docs[m], body[m], ctx[m]
+                self._accumulate(score, docs, body, ctx, idf, previous_weight)
+            got = score[found]
+            score[found] = 0.0
+            hit[found] = False
+            cut = -np.partition(-got, size - 1)[size - 1] if len(found) >= size else None
+            if need == len(order) or (cut is not None and rest[need] < cut):
+                break
+            need += 1  # the fewest phrases whose outside stays below the cut
+            while cut is not None and need < len(order) and rest[need] >= cut:
+                need += 1
+        best = np.argpartition(-got, size - 1)[:size] if size < len(found) \
+            else np.arange(len(found))
+        best = best[np.argsort(-got[best], kind="stable")]
+        return found[best], got[best]
+
+    def _bound(self, key: int, previous_weight: float) -> float:
+        """The most `f * (K1 + 1) / (f + norm)` can be for a document holding the term: its
+        largest counts over its shortest document (the fraction grows with f and falls with
+        the document's length)."""
+        best, avgdl = 0.0, self.total / self.count
+        for seg in self.segments:
+            peak = seg.peak(key, self.lens) if key >= 0 else None
+            if peak is not None:
+                body, ctx, shortest = peak
+                f = body + ctx * max(previous_weight, 0.0)
+                norm = K1 * (1 - B + B * shortest / avgdl)
+                best = max(best, f * (K1 + 1.0) / (f + norm))
+        return best
+
+    def _accumulate(self, score: np.ndarray, docs: np.ndarray, body: np.ndarray, ctx: np.ndarray,
+             idf: float, previous_weight: float) -> None:
+        """Add a phrase's term to its documents' scores: idf * (f * (K1 + 1) / (f + norm))
+        with f = body + context * previous_weight, in float64, in reused buffers (the same
+        operations, so the same values, whichever documents are scored)."""
+        if self._tmp.shape[1] < len(docs):
+            self._tmp = np.zeros((3, max(len(docs), 2 * self._tmp.shape[1])))
+        f, num, den = (t[:len(docs)] for t in self._tmp)
+        np.copyto(f, body)
+        if previous_weight:
+            np.copyto(num, ctx)
+            num *= previous_weight
+            f += num
+        np.multiply(f, K1 + 1.0, out=num)
+        np.take(self._norms(), docs, out=den)
+        den += f
+        np.divide(num, den, out=num)
+        num *= idf
+        score[docs] += num
 
     def _norms(self) -> np.ndarray:
         """Each document's `K1 * (1 - B + B * len / avgdl)`, computed once per change of the
@@ -438,19 +508,15 @@ class Lexicon:
                pool: int | None = None) -> list[tuple[str, float]] | None:
         """The best `k` visible memories by BM25 (`visible` keeps the ids the query may see:
         the SQL's other conditions), in growing pools."""
-        ranked = self.scores(terms, owners, previous_weight)
-        if ranked is None:
-            return None
-        docs, score = ranked
         size = pool or k + k // 8 + 32
         while True:
-            top = np.argpartition(-score, size - 1)[:size] if size < len(docs) \
-                else np.arange(len(docs))
-            top = top[np.argsort(-score[top], kind="stable")]
-            ids = [self.ids[d] for d in docs[top].tolist()]
+            ranked = self.top(terms, owners, size, previous_weight)
+            if ranked is None:
+                return None
+            docs, score = ranked
+            ids = [self.ids[d] for d in docs.tolist()]
             seen = visible(ids)
-            hits = [(mid, s) for mid, s in zip(ids, score[top].tolist(), strict=True)
-                    if mid in seen]
-            if len(hits) >= k or size >= len(docs):
+            hits = [(mid, s) for mid, s in zip(ids, score.tolist(), strict=True) if mid in seen]
+            if len(hits) >= k or len(docs) < size:
                 return hits[:k]
             size *= 4
