@@ -116,6 +116,30 @@ def test_two_processes_share_one_postgres_bucket(tmp_path: Path, pg_server: Any)
     assert not (tmp_path / "ratelimit.db").exists()  # the buckets are in PostgreSQL
 
 
+def test_a_postgres_take_does_not_wait_for_the_wal_flush(tmp_path: Path, pg_server: Any) -> None:
+    """The buckets are disposable: a take commits with `synchronous_commit` off (its own
+    transaction only), so no request waits for an fsync to take a token."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    from pg_server import PG
+
+    url = PG.database_for(tmp_path)
+    with PG.admin() as admin:  # the test server runs without flushes: this database with them
+        admin.execute(f"ALTER DATABASE {conninfo_to_dict(url)['dbname']} SET synchronous_commit = on")
+    limiter = open_rate_limiter(Config(path=tmp_path / "engram.db", database_url=url), 1.0, 10,
+                                shared=True)
+    try:
+        assert limiter.take("t") == 0.0  # the first take creates the table
+        assert isinstance(limiter, SharedRateLimiter)
+        assert limiter._run("SELECT current_setting('synchronous_commit')", []) == [("off",)]
+        assert limiter.take("t") == 0.0
+    finally:
+        limiter.close()
+    with psycopg.connect(url) as conn:  # any other transaction flushes as configured
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+
+
 def _serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Any]:
     import socket
 
