@@ -13,6 +13,7 @@ import unicodedata
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
@@ -35,6 +36,7 @@ GENERIC_TYPES = frozenset({"", "entity", "thing", "unknown", "other"})
 MAX_NGRAM = 4  # longest name (in words) that mention linking looks up
 
 
+@lru_cache(maxsize=16_384)  # mention linking normalises every word of every turn: most repeat
 def normalise(name: str) -> str:
     """The form two spellings of one name share: case-folded, accents dropped ("São" is
     "sao"), dots dropped ("U.S.A." is "usa"), other punctuation but `-`, `&` and `'` made
@@ -102,14 +104,15 @@ def name_keys(name: str, aliases: Iterable[str] = ()) -> list[tuple[str, Literal
 def ngrams(text: str, n: int = MAX_NGRAM) -> list[str]:
     """Every run of 1..n words of a text, normalised: the keys a mention of a known name or
     alias would have. One index lookup finds them all (no pattern per entity)."""
-    ws = [normalise(w) for w in _WORD.findall(text)]
-    ws = [w for w in ws if w]
+    ws = [w for w in map(normalise, _WORD.findall(text)) if w]
     out: dict[str, None] = {}
-    for i in range(len(ws)):
-        for j in range(i + 1, min(i + n, len(ws)) + 1):
-            gram = " ".join(ws[i:j])
-            if j - i > 1 or (gram not in STOP and len(gram) >= 2):
-                out[gram] = None
+    for i, first in enumerate(ws):
+        if first not in STOP and len(first) >= 2:
+            out[first] = None
+        gram = first
+        for w in ws[i + 1:i + n]:
+            gram = f"{gram} {w}"
+            out[gram] = None
     return list(out)
 
 
