@@ -448,7 +448,7 @@ def _minilm_torch(config: Config) -> Embedder:
 EMBEDDERS: dict[str, Callable[[Config], Embedder]] = {
     "minilm": _minilm,
     # products in 8-bit integers: 1.4x fp32's texts per second in batches, half the CPU of one
-    # query, on AVX2 without VNNI (1.8x and a third of a query's CPU with AVX-512 VNNI, graph
+    # query, on AVX2 without VNNI (1.8x and under half a query's time with AVX-512 VNNI, graph
     # v4); cosine to the fp32 vectors 0.995 on average, 0.966 at worst
     # (LoCoMo turns), so a database is embedded with one or the other, never both (LoCoMo dev
     # R@5 / R@10 / session Hit@1 0.743 / 0.808 / 0.695 against fp32's 0.736 / 0.807 / 0.713)
