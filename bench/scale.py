@@ -444,9 +444,10 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
     breakdown["fuse+rank+rest"] = 1000 * after / len(lat)
     if not acc["lexical"] and pooled["pool"]:
         # PostgreSQL runs BM25 in `pool`'s round trip (with the cache's versions), not through
-        # `lexical`: what `pool` took beyond the dense searches it made is the lexical side
+        # `lexical`: what `pool` took beyond the dense searches it made is the lexical side,
+        # unless a large scope's dense keys ran beside that round trip (then it is unknown)
         extra = 1000 * (pooled["pool"] - acc["dense:text"] - acc["dense:window"]) / len(lat)
-        breakdown["lexical"] += extra
+        breakdown["lexical"] += extra if extra >= 0 else math.nan
     return {
         "queries": len(lat), "first_ms": 1000 * first, "first_cpu_ms": 1000 * first_cpu,
         "builds_s": dict(builds),

@@ -439,8 +439,19 @@ def test_the_dense_cache_follows_writes_of_another_process(db: str) -> None:
             s.close()
 
 
-def test_a_scope_larger_than_the_cache_limit_is_searched_in_the_database(db: str) -> None:
+def test_a_scope_larger_than_the_cache_limit_is_searched_in_the_database(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once larger than the cache, a scope's dense keys are queried in the database, on the
+    store's helper threads beside the search's first round trip, with the same answers."""
     store, tables = PostgresStore(db, cache_limit=12), PostgresStore(db, cache_limit=0)
+    threads: list[str] = []
+    dense = PostgresStore.dense
+
+    def recorded(self: PostgresStore, *a: Any, **kw: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return dense(self, *a, **kw)
+
+    monkeypatch.setattr(PostgresStore, "dense", recorded)
     try:
         rng = np.random.default_rng(5)
         vectors = rng.normal(size=(20, 8)).astype(np.float32)
@@ -453,6 +464,9 @@ def test_a_scope_larger_than_the_cache_limit_is_searched_in_the_database(db: str
         put(store, *records[10:], vectors=list(vectors[10:]))  # it grows past the limit
         assert _search(store, vectors[15]) == _search(tables, vectors[15])  # both in the database
         assert store._large and not store._slabs
+        threads.clear()
+        assert _search(store, vectors[7]) == _search(tables, vectors[7])
+        assert threads and all(t.startswith("engram-pg-search") for t in threads)
     finally:
         store.close()
         tables.close()
