@@ -216,15 +216,13 @@ def postgres_rate_limiter(pool: Pool, rate: float, burst: int) -> SharedRateLimi
     written without an fsync: the state is disposable, and that wait was the tail of every
     request (search p99 160-215 ms under `bench/load.py` with it, 86 ms with none)."""
     from ..store.postgres import create_tables
+    from ..store.postgres.pool import NO_FLUSH
 
     ready = threading.Event()
 
-    def no_flush(conn: Any) -> None:
-        conn.execute("SELECT set_config('synchronous_commit', 'off', true)")
-
     def run(stmt: str, params: Sequence[Any]) -> list[Any]:
         if ready.is_set():  # BEGIN, the statement and COMMIT in one round trip, not three
-            return pool.batch(no_flush, [(stmt, params)], retry=False)[0]
+            return pool.batch(None, [NO_FLUSH, (stmt, params)], retry=False)[1]
         with pool.transaction() as c:
             if not ready.is_set():
                 create_tables(c, _PG_SCHEMA)

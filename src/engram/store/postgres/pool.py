@@ -20,6 +20,10 @@ from ...errors import Conflict, EngramError, InvalidInput, StoreBusy, StoreError
 
 Connection = psycopg.Connection[Any]
 Stmt = tuple[str, Sequence[Any]]
+# A statement that lets its transaction commit without waiting for the WAL to reach the disk,
+# for hints and disposable state (access counts, rate-limit buckets; SQLite writes those
+# without an fsync too): a crash may lose the last few, never corrupt anything.
+NO_FLUSH: Stmt = ("SELECT set_config('synchronous_commit', 'off', true)", ())
 JOB_KEY = "jobs_tenant_key_key"  # PostgreSQL's name for the jobs table's UNIQUE (tenant, key)
 
 

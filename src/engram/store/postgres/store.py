@@ -31,7 +31,7 @@ from ..slab import Slab, evict
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
 from .ann import IndexBuilds
-from .pool import Connection, Pool, translate
+from .pool import NO_FLUSH, Connection, Pool, translate
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -41,9 +41,6 @@ log = logging.getLogger("engram.store")
 _WRITE_LOCK = 0x656E6774  # pg_advisory_xact_lock key: one writer per tenant (with hashtext(tenant))
 ANALYZE_AFTER_ROWS = 200  # rows written by a process before its first ANALYZE
 RECLAIM_MODES = {"vacuum": "INDEX_CLEANUP ON", "full": "FULL", "none": ""}
-# An access count is a hint, not data: its commit need not wait for the WAL to reach the disk
-# (as SQLite's touch commits without an fsync). A crash may lose the last few counts.
-_NO_FLUSH = ("SELECT set_config('synchronous_commit', 'off', true)", ())
 
 
 class _Sides:
@@ -608,8 +605,8 @@ class PostgresStore(SQLStore):
         params = (at, self.tenant, sorted(set(ids)))
         try:
             # Best effort: a row locked by a writer for more than 20 ms is simply not counted
-            # (and, sent once, never counted twice).
-            self._batch([_NO_FLUSH, (stmt, params)], lock_timeout_ms=20, retry=False)
+            # (and, sent once, never counted twice); a hint, committed without a flush.
+            self._batch([NO_FLUSH, (stmt, params)], lock_timeout_ms=20, retry=False)
         except (StoreBusy, StoreUnavailable) as exc:
             log.debug("access tracking skipped: %s", exc)
 
@@ -623,7 +620,7 @@ class PostgresStore(SQLStore):
                 "FROM memories o WHERE m.tenant = %s AND m.id = ANY(%s) AND o.tenant = m.tenant "
                 f"AND o.id = m.id RETURNING {r.columns('o', r.MEMORY_COLUMNS)}")
         try:
-            rows = self._batch([_NO_FLUSH, (stmt, (at, self.tenant, sorted(set(ids))))],
+            rows = self._batch([NO_FLUSH, (stmt, (at, self.tenant, sorted(set(ids))))],
                                lock_timeout_ms=20, retry=False)[-1]
         except (StoreBusy, StoreUnavailable) as exc:
             log.debug("access tracking skipped: %s", exc)

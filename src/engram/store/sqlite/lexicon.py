@@ -466,7 +466,7 @@ class Lexicon:
         the document's length)."""
         best, avgdl = 0.0, self.total / self.count
         for seg in self.segments:
-            peak = seg.peak(key, self.lens) if key >= 0 else None
+            peak = seg.peak(key, self.lens)
             if peak is not None:
                 body, ctx, shortest = peak
                 f = body + ctx * max(previous_weight, 0.0)
@@ -474,8 +474,8 @@ class Lexicon:
                 best = max(best, f * (K1 + 1.0) / (f + norm))
         return best
 
-    def _accumulate(self, score: np.ndarray, docs: np.ndarray, body: np.ndarray, ctx: np.ndarray,
-             idf: float, previous_weight: float) -> None:
+    def _accumulate(self, score: np.ndarray, docs: np.ndarray, body: np.ndarray,
+                    ctx: np.ndarray, idf: float, previous_weight: float) -> None:
         """Add a phrase's term to its documents' scores: idf * (f * (K1 + 1) / (f + norm))
         with f = body + context * previous_weight, in float64, in reused buffers (the same
         operations, so the same values, whichever documents are scored)."""
