@@ -215,8 +215,7 @@ def postgres_rate_limiter(pool: Pool, rate: float, burst: int) -> SharedRateLimi
     take committed without waiting for the WAL to reach the disk, as the SQLite buckets are
     written without an fsync: the state is disposable, and that wait was the tail of every
     request (search p99 160-215 ms under `bench/load.py` with it, 86 ms with none)."""
-    from ..store.postgres import create_tables
-    from ..store.postgres.pool import NO_FLUSH
+    from ..store.postgres import NO_FLUSH, create_tables
 
     ready = threading.Event()
 

@@ -3,8 +3,8 @@ security, HNSW indexes), `sql` (its SQL, built without I/O), `pool` (the one con
 and `store` (the `Store`). Importing it imports psycopg."""
 
 from . import schema, sql
-from .pool import Pool, translate
+from .pool import NO_FLUSH, Pool, translate
 from .schema import create_tables
 from .store import PostgresStore
 
-__all__ = ["Pool", "PostgresStore", "create_tables", "schema", "sql", "translate"]
+__all__ = ["NO_FLUSH", "Pool", "PostgresStore", "create_tables", "schema", "sql", "translate"]
