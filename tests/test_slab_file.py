@@ -230,6 +230,7 @@ def test_an_erasure_removes_the_files_and_no_later_save_holds_it(tmp_path: Path)
         searches(s)
         searches(other)
         s.wait_for_saves()
+        other.wait_for_saves()  # else its save's temporary file may vanish while listed
         assert any(canary.encode() in f.read_bytes() for f in files(path))  # it can fail
         with s.write() as tx:
             tx.erase([secret.id])
