@@ -1,4 +1,4 @@
-"""Shared fixtures: one real MiniLM embedder per session, real SQLite files per test.
+"""Shared fixtures: the real MiniLM embedder once per session, real SQLite files per test.
 
 Storage backends are listed in `STORES` (name -> factory); the conformance suite runs once per
 entry. A factory called twice with the same directory must open the same database.
@@ -73,9 +73,19 @@ def _clean_env() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def embedder() -> MiniLM:
-    """The real local model, loaded once: loading takes seconds, embedding milliseconds."""
+    """The real local model as a new database gets it by default (`auto`: int8), loaded once:
+    loading takes seconds, embedding milliseconds."""
     # Tests embed a few short texts at a time: one intra-op thread keeps the suite's time
     # steady when other processes on the machine are busy.
+    model = MiniLM(threads=1, int8=True)
+    model.embed_batch(["warm up"])
+    return model
+
+
+@pytest.fixture(scope="session")
+def fp32() -> MiniLM:
+    """The same model in fp32 (`minilm`): sentence-transformers' vectors, and the space of
+    every database made before int8 was the default."""
     model = MiniLM(threads=1)
     model.embed_batch(["warm up"])
     return model

@@ -22,13 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def shared_embedder() -> embedders.MiniLM:
-    """One real MiniLM for the module: each CLI run builds a Memory, the model loads once."""
-    return embedders.MiniLM()
+    """One real MiniLM (the default's, int8) for the module: each CLI run builds a Memory, the
+    model loads once."""
+    return embedders.MiniLM(int8=True)
 
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch: pytest.MonkeyPatch, shared_embedder: embedders.MiniLM) -> None:
-    monkeypatch.setitem(embedders.EMBEDDERS, "minilm", lambda: shared_embedder)
+    monkeypatch.setitem(embedders.EMBEDDERS, "minilm-int8", lambda: shared_embedder)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for var in ("ENGRAM_DB", "ENGRAM_EMBEDDER", "ENGRAM_RETRIEVAL", "ENGRAM_MAX_TEXT_CHARS"):
         monkeypatch.delenv(var, raising=False)

@@ -70,9 +70,9 @@ TEXTS = ["Hello there, how are you?", "Caroline: I went to the LGBTQ support gro
          "a very long message about trains and tea " * 60]  # past the 256-token truncation
 
 
-def test_onnx_vectors_match_sentence_transformers(embedder: MiniLM) -> None:
+def test_onnx_vectors_match_sentence_transformers(fp32: MiniLM) -> None:
     reference = SentenceTransformerMiniLM().embed_batch(TEXTS)
-    got = embedder.embed_batch(TEXTS)
+    got = fp32.embed_batch(TEXTS)
     assert got.shape == reference.shape == (len(TEXTS), 384)
     cosines = (got * reference).sum(axis=1)
     assert cosines.min() >= 0.999, cosines
@@ -104,13 +104,13 @@ def test_the_graph_runs_fused_kernels_on_the_real_tokens_only(
     assert ran["LayerNormalization"] == 2 * layers + 1 and "SkipLayerNormalization" not in ran
 
 
-def test_int8_vectors_stay_close_to_fp32(embedder: MiniLM) -> None:
+def test_int8_vectors_stay_close_to_fp32(fp32: MiniLM) -> None:
     """`minilm-int8` is the fused graph in 8-bit integers: its own embedding space, near fp32."""
     import onnx
 
     int8 = MiniLM(threads=1, int8=True)
     got = int8.embed_batch(TEXTS)
-    cosines = (got * embedder.embed_batch(TEXTS)).sum(axis=1)
+    cosines = (got * fp32.embed_batch(TEXTS)).sum(axis=1)
     # the emptiest texts ("", "x") move most: 0.979 there
     assert cosines.min() >= 0.97 and cosines.mean() >= 0.985, cosines
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)

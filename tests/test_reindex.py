@@ -10,6 +10,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,9 @@ from engram.pipeline import reindex as reindexing
 from engram.providers import embedders
 from engram.providers.embedders import EMBEDDERS, MiniLM, get_embedder, register_embedder
 from engram.providers.llms import LLM, ScriptedLLM
-from engram.store import Query, Store
+from engram.store import Query, Space, Store
+
+INT8, FP32 = "all-minilm-l6-v2-int8-rows/384", "all-minilm-l6-v2/384"  # the bundled spaces
 
 TURNS = [
     {"role": "user", "name": "Ana", "content": "I adopted a grey cat called Miso last spring"},
@@ -111,7 +114,7 @@ def test_a_database_records_its_space_on_first_use(store_factory: StoreFactory, 
     with _memory(store_factory, tmp_path, embedder) as mem:
         assert "0004_embedding_space" in mem.store.migrations()
         space = mem.store.space()
-        assert space is not None and space.space == "all-minilm-l6-v2/384"
+        assert space is not None and space.space == INT8
         assert space.pending is None
     with _memory(store_factory, tmp_path, embedder) as mem:  # the same space opens
         assert mem.search("anything", user_id="ana") == []
@@ -125,13 +128,13 @@ def test_another_space_does_not_open_and_writes_nothing(store_factory: StoreFact
     with pytest.raises(EmbeddingMismatch) as caught:
         _memory(store_factory, tmp_path, Words(64))
     message = str(caught.value)
-    assert "all-minilm-l6-v2/384" in message and "words-64/64" in message
+    assert INT8 in message and "words-64/64" in message
     assert "engram reindex" in message
-    assert (caught.value.recorded, caught.value.configured) == ("all-minilm-l6-v2/384",
+    assert (caught.value.recorded, caught.value.configured) == (INT8,
                                                                 "words-64/64")
     with _memory(store_factory, tmp_path, embedder) as mem:
         assert mem.stats().to_dict() == {**before.to_dict(), "db_bytes": mem.stats().db_bytes}
-        assert mem.store.space().space == "all-minilm-l6-v2/384"  # type: ignore[union-attr]
+        assert mem.store.space().space == INT8  # type: ignore[union-attr]
         assert mem.search("grey cat", user_id="ana", limit=1)[0].memory.text.startswith("I adopted")
 
 
@@ -175,10 +178,10 @@ def test_an_interrupted_reindex_resumes_where_it_stopped(store_factory: StoreFac
         with pytest.raises(ProviderError, match="went away"):
             mem.reindex()
         state = mem.store.space()
-        assert state is not None and state.space == "all-minilm-l6-v2/384"
+        assert state is not None and state.space == INT8
         assert state.cursor == sorted(ids)[5]  # two batches finished
     with _memory(store_factory, tmp_path, Words(64), check_space=False) as mem:
-        assert mem.embedding_space() == {"recorded": "all-minilm-l6-v2/384",
+        assert mem.embedding_space() == {"recorded": INT8,
                                          "configured": "words-64/64", "reindexing": "words-64/64"}
     # half one space, half the other: neither embedder opens it
     for which in (embedder, Words(64)):
@@ -202,7 +205,7 @@ def test_a_new_space_takes_the_whole_database_a_scope_can_be_refreshed(
     with _memory(store_factory, tmp_path, Words(64), check_space=False) as mem:
         with pytest.raises(InvalidInput, match="whole database"):
             mem.reindex(user_id="ana")
-        assert mem.store.space().space == "all-minilm-l6-v2/384"  # type: ignore[union-attr]
+        assert mem.store.space().space == INT8  # type: ignore[union-attr]
 
 
 def test_engram_reindex_command(tmp_path: Path, words: None,
@@ -290,3 +293,56 @@ def test_reindex_into_an_openai_compatible_endpoint(tmp_path: Path, embedder: Mi
         with Memory(config=config, llm=None) as mem:
             assert mem.search("grey cat", user_id="ana", limit=3)
             mem.embedder.close()  # type: ignore[attr-defined]
+
+
+def test_auto_follows_the_bundled_space_a_database_records() -> None:
+    assert embedders.choose("auto") == "minilm-int8"  # a new database
+    assert embedders.choose("auto", FP32) == "minilm"  # made before int8
+    assert embedders.choose("auto", INT8) == "minilm-int8"
+    # not a bundled space: the default, which the space check then refuses, naming both
+    assert embedders.choose("auto", "words-64/64") == "minilm-int8"
+    assert embedders.choose("minilm", INT8) == "minilm"  # as told
+    moving = Space(FP32, json.dumps([INT8, None, None]), "m1")
+    assert (moving.target, moving.latest) == (INT8,) * 2
+    assert Space(FP32).latest == FP32
+
+
+def test_a_database_made_in_fp32_keeps_its_space_under_auto_a_new_one_is_int8(
+        store_factory: StoreFactory, tmp_path: Path, fp32: MiniLM,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    config = Config(path=tmp_path / "unused.db")
+    assert config.embedder == "auto"
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    with _memory(store_factory, old, fp32) as mem:  # as every database before int8
+        _fill(mem)
+    with Memory(store=store_factory(old), config=config, llm=None) as mem:
+        assert embedders.space(mem.embedder) == FP32
+        assert mem.search("grey cat", user_id="ana", limit=1)[0].memory.text.startswith("I adopt")
+    with Memory(store=store_factory(new), config=config, llm=None) as mem:
+        assert embedders.space(mem.embedder) == INT8
+        _fill(mem)
+        assert mem.store.space().space == INT8  # type: ignore[union-attr]
+        assert mem.search("grey cat", user_id="ana", limit=1)[0].memory.text.startswith("I adopt")
+    with pytest.raises(EmbeddingMismatch):  # a named embedder is taken as told, and refused
+        Memory(store=store_factory(new), config=replace(config, embedder="minilm"), llm=None)
+    # moving the old database to int8 (named), interrupted after a batch: `auto` resumes it
+    monkeypatch.setattr(reindexing, "BATCH", 3)
+
+    def stop(done: int, total: int) -> None:
+        raise KeyboardInterrupt
+
+    with Memory(store=store_factory(old), config=replace(config, embedder="minilm-int8"),
+                llm=None, check_space=False) as mem, pytest.raises(KeyboardInterrupt):
+        mem.reindex(progress=stop)
+    with pytest.raises(EmbeddingMismatch, match="unfinished"):  # half one space, half the other
+        Memory(store=store_factory(old), config=config, llm=None)
+    with Memory(store=store_factory(old), config=config, llm=None, check_space=False) as mem:
+        assert embedders.space(mem.embedder) == INT8
+        assert mem.reindex() == 5  # the rest
+    with Memory(store=store_factory(old), config=config, llm=None) as mem:
+        assert mem.embedding_space() == {"recorded": INT8,
+                                         "configured": INT8,
+                                         "reindexing": None}
+        assert mem.search("grey cat", user_id="ana", limit=1)[0].memory.text.startswith("I adopt")

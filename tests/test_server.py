@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from engram import Memory
 from engram.config import Config
-from engram.providers.embedders import MiniLM
+from engram.providers.embedders import MiniLM, space
 from engram.server import ServiceLimits, create_app
 from server_kit import Service, error_code, service
 
@@ -449,6 +449,26 @@ def test_no_auth_serves_the_single_user_database(tmp_path: Path, embedder: MiniL
         items = client.get("/v1/memories").json()["items"]
         assert [m["text"] for m in items] == ["written by the library"]
         assert client.post("/v1/erase", json={"user_id": "me"}).json()["erased"] == 1
+
+
+def test_each_tenant_is_served_in_the_space_its_database_was_made_in(tmp_path: Path,
+                                                                     fp32: MiniLM) -> None:
+    """No embedder given (the configured `auto`): a tenant whose database was made in fp32
+    before int8 was the default keeps fp32 MiniLM, a new tenant gets int8; one model a space."""
+    made = Config(path=tmp_path / "data" / "engram.db")
+    with Memory(config=made, tenant="a", embedder=fp32) as old:
+        old.add("Ana keeps bees on the roof", user_id="u1")
+    with service(tmp_path, None) as svc:  # type: ignore[arg-type]
+        add(svc, "b-member", "Bo restores old sailing boats", user_id="u1")
+        for who, query, want in (("a-member", "beekeeping", "Ana keeps bees on the roof"),
+                                 ("b-member", "boats", "Bo restores old sailing boats")):
+            r = svc.call(who, "POST", "/v1/memories/search", json={"query": query, "user_id": "u1"})
+            assert r.status_code == 200 and r.json()["hits"][0]["memory"]["text"] == want
+        tenants = svc.client.app.state.tenants  # type: ignore[attr-defined]
+        a, b, c = (tenants.get(t).embedder.inner for t in ("a", "b", "c"))
+        assert (space(a), space(b)) == ("all-minilm-l6-v2/384", "all-minilm-l6-v2-int8-rows/384")
+        assert c is b and a is not fp32  # shared by the tenants of a space
+        assert tenants.get("b").store.space().space == space(b)
 
 
 # -- issue 15: what a new user of the service hit ----------------------------------------------

@@ -52,7 +52,7 @@ def default_cache_dir() -> Path:
 class Config:
     path: Path = field(default_factory=default_db_path)
     database_url: str | None = field(default=None, repr=False)  # postgresql://... ; None: SQLite at `path`
-    embedder: str = "minilm"                # name of a registered embedder
+    embedder: str = "auto"                  # a registered embedder; auto: minilm-int8, or the database's
     retrieval: str = "hybrid"               # name of a retrieval preset (pipeline.retrieve)
     dedupe_threshold: float = 0.90          # cosine above which two facts may be one
     dedupe_min_overlap: float = 0.5         # ... and their word sets overlap at least this much

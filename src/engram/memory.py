@@ -495,7 +495,7 @@ class Memory:
         state = self.store.space()
         return {"recorded": state.space if state else None,
                 "configured": reindexing.space(self._engine),
-                "reindexing": reindexing.target(state.pending) if state else None}
+                "reindexing": state.target if state else None}
 
     def reindex(self, *, user_id: str | None = None, agent_id: str | None = None,
                 progress: Callable[[int, int], None] | None = None) -> int:

