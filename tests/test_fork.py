@@ -98,7 +98,7 @@ def test_a_child_forked_while_a_parent_thread_held_the_caches_works(tmp_path: Pa
     assert mem.search("parent", user_id="u")
     store = mem._engine.store
     assert store._lex is not None  # the lexical index is in memory, as at every size
-    with store._lex_lock, store._slabs_lock, store._saver_lock:  # as a parent thread would
+    with store._lex_lock, store._slabs_lock, store._saver._lock:  # as a parent thread would
         children = _fork(mem)
     _finish(children)
     assert len(mem.search("child 1 remembers", user_id="u", limit=30)) >= 10  # the parent too
@@ -108,7 +108,7 @@ def test_a_child_forked_while_a_parent_thread_held_the_caches_works(tmp_path: Pa
 def _child_with_helper(mem: Memory, n: int) -> None:
     _child(mem, n)
     store = mem._engine.store
-    assert store._helper_pid == os.getpid()  # its own helper thread searched the lexical side
+    assert store._helper._pid == os.getpid()  # its own helper thread searched the lexical side
 
 
 def test_forked_children_search_a_large_scope_with_their_own_helper(tmp_path: Path) -> None:
@@ -120,7 +120,7 @@ def test_forked_children_search_a_large_scope_with_their_own_helper(tmp_path: Pa
     store._large = lambda query: True  # as a scope above the ANN threshold
     mem.add("the parent was here first", user_id="u")
     assert mem.search("parent", user_id="u")
-    assert store._helper_pid == os.getpid()
+    assert store._helper._pid == os.getpid()
     with store._helper_free:  # as a parent search in flight would hold it
         children = _fork(mem, _child_with_helper)
     _finish(children)

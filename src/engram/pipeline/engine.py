@@ -37,7 +37,7 @@ class Engine:
         try:
             if embedder is None:  # `auto` follows the space the database records
                 recorded = opened.space()
-                embedder = get_embedder(config.embedder, config, recorded and recorded.latest)
+                embedder = get_embedder(config.embedder, config, recorded.latest if recorded else None)
             return cls(store=opened, embedder=embedder,
                        llm=get_llm(config) if isinstance(llm, Unset) else llm, config=config,
                        retrieval=get_preset(preset) if isinstance(preset, str) else preset)

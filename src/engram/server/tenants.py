@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
 import numpy as np
 
 from .. import Memory
@@ -133,7 +134,7 @@ class Tenants:
                     store = self._stores.open(tenant)
                     try:
                         recorded = store.space()
-                        embedder = self.embedder(recorded and recorded.latest)
+                        embedder = self.embedder(recorded.latest if recorded else None)
                     except BaseException:
                         store.close()
                         raise

@@ -15,6 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -44,13 +45,11 @@ class Threads:
     def drain(self, timeout: float | None = None) -> None:
         """Wait until the work given so far is done (with one thread: in order); a no-op when
         this process has not started them. Raises TimeoutError after `timeout` seconds."""
-        with self._lock:
-            pool = self._pool if self._pid == os.getpid() else None
-        if pool is not None:
-            try:
+        # Not under the lock: before a fork, the thread holding it may be this one.
+        pool, pid = self._pool, self._pid
+        if pool is not None and pid == os.getpid():
+            with suppress(RuntimeError):  # shut down meanwhile: nothing is left to wait for
                 pool.submit(lambda: None).result(timeout)
-            except RuntimeError:  # shut down meanwhile: nothing is left to wait for
-                pass
 
     def close(self) -> None:
         """No more work; wait for what was given."""

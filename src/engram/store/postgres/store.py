@@ -13,7 +13,7 @@ import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
 from ..slab import Slab, evict
 from ..sqlstore import Run, SQLStore, SQLTx
+from ..threads import Threads
 from . import schema, sql
 from .ann import IndexBuilds
 from .pool import NO_FLUSH, Connection, Pool, translate
@@ -41,30 +42,6 @@ log = logging.getLogger("engram.store")
 _WRITE_LOCK = 0x656E6774  # pg_advisory_xact_lock key: one writer per tenant (with hashtext(tenant))
 ANALYZE_AFTER_ROWS = 200  # rows written by a process before its first ANALYZE
 RECLAIM_MODES = {"vacuum": "INDEX_CLEANUP ON", "full": "FULL", "none": ""}
-
-
-class _Sides:
-    """The threads that query a search's large-scope dense keys beside its first round trip
-    (`pool`), shared by a process's stores of every tenant (for_tenant); a forked child
-    starts its own, a parent's threads do not exist in it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._threads: ThreadPoolExecutor | None = None
-        self._pid = 0
-
-    def get(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._threads is None or self._pid != os.getpid():
-                self._threads = ThreadPoolExecutor(2, thread_name_prefix="engram-pg-search")
-                self._pid = os.getpid()
-            return self._threads
-
-    def close(self) -> None:
-        with self._lock:
-            threads, self._threads = self._threads, None
-        if threads is not None and self._pid == os.getpid():
-            threads.shutdown(wait=True)
 
 
 class PostgresStore(SQLStore):
@@ -111,7 +88,9 @@ class PostgresStore(SQLStore):
         self._local = threading.local()  # .conn: this thread's open write
         self._turns = _Turns()  # this process's writers of each tenant (shared by for_tenant)
         self._builds = IndexBuilds(self._pool)  # HNSW indexes, once a search needs one (ann.py)
-        self._sides = _Sides()  # a search's dense keys queried beside its first round trip
+        # a search's large-scope dense keys, queried beside its first round trip (shared by
+        # a process's stores of every tenant: for_tenant)
+        self._sides = Threads(2, "engram-pg-search")
         self._to_vacuum: set[str] = set()
         self._closed = False
         self._tokenizer = bm25.Tokenizer()  # shared with the stores of other tenants (for_tenant)
@@ -401,8 +380,9 @@ class PostgresStore(SQLStore):
             if v is not None else []
         remote: dict[str, Future[list[tuple[str, float]]]] = {}
         if large and v is not None:
-            helper = self._sides.get()
-            remote = {key: helper.submit(self.dense, query, v, k, key) for key in large}
+            for key in large:
+                if (future := self._sides.submit(self.dense, query, v, k, key)) is not None:
+                    remote[key] = future  # else closing: searched here
         try:
             ahead = {} if v is None else self._ahead(query.scope, keys, dim)
             for name, (tomb, seq, rich) in ahead.items():

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from dataclasses import replace
 from datetime import datetime
@@ -33,6 +33,7 @@ from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Seen, Select
 from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
+from ..threads import Threads
 from . import ann, lexicon, schema, sql
 from .conn import DB_ERRORS, Connections, is_busy
 from .lexicon import MAX_DEAD, Lexicon
@@ -92,11 +93,8 @@ class SQLiteStore(SQLStore):
         self._local = threading.local()  # .dirty: this thread's open write changed keys
         self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
         self._slabs_lock = threading.Lock()
-        self._saver: ThreadPoolExecutor | None = None  # saves cache files (`_in_background`)
-        self._saver_pid = 0
-        self._saver_lock = threading.Lock()
-        self._helper: ThreadPoolExecutor | None = None  # a search's lexical side (`pool`)
-        self._helper_pid = 0
+        self._saver = Threads(1, "engram-cache-save")  # cache files and counts (`_in_background`)
+        self._helper = Threads(1, "engram-search")  # a search's lexical side (`pool`)
         self._helper_free = threading.Semaphore(1)  # taken while a search uses the helper
         self._count_commits = 0  # commits of access counts since the last background checkpoint
         # Access counts not yet written, (ids, at): `touch`
@@ -132,40 +130,31 @@ class SQLiteStore(SQLStore):
         """Before a fork: let the saving thread finish what it was given (waiting at most the
         busy timeout), so that no thread of this process is inside SQLite (whose mutexes
         the child would inherit locked) or half-way through a file when the child is made."""
-        saver = self._saver if self._saver_pid == os.getpid() else None
-        if saver is not None:
-            with suppress(Exception):  # shut down meanwhile, or slow: the fork goes on
-                saver.submit(lambda: None).result(timeout=self.busy_timeout_s)
+        with suppress(Exception):  # slow: the fork goes on
+            self._saver.drain(timeout=self.busy_timeout_s)
 
     def _after_fork(self) -> None:
         """In a forked child. A lock that a parent thread held at the fork (a search, a cache
         save) would never be released here, and what it guarded may be half-changed: such a
-        lock is replaced and its state dropped (loaded again on use). The saving thread stays
-        the parent's: `_in_background` starts the child's own."""
+        lock is replaced and its state dropped (loaded again on use). The threads stay the
+        parent's: the child starts its own (store/threads.py)."""
         if self._lex_lock.locked():
             self._lex_lock, self._lex = threading.Lock(), None
         if self._slabs_lock.locked():
             self._slabs_lock, self._slabs = threading.Lock(), OrderedDict()
-        if self._saver_lock.locked():
-            self._saver_lock = threading.Lock()
         self._helper_free = threading.Semaphore(1)  # a parent's search may have held it
         # the parent's to write
         self._counts, self._counts_due, self._counts_lock = [], False, threading.Lock()
 
     def close(self) -> None:
         """Close the connections, after the access counts and cache files pending are written."""
-        with self._saver_lock:
-            self._closing.set()
-            saver, self._saver = self._saver, None
-            helper, self._helper = self._helper, None
+        self._closing.set()  # the background waits end now
+        self._helper.close()
+        self._saver.close()  # after the work given to it
         try:
             self._apply_counts()
         except Exception as exc:  # a hint for forgetting: closing goes on
             log.warning("access counts not written at close: %s", exc)
-        if saver is not None and self._saver_pid == os.getpid():
-            saver.shutdown(wait=True)
-        if helper is not None and self._helper_pid == os.getpid():
-            helper.shutdown(wait=True)
         with self._lex_lock:
             if self._lex is not None:
                 self._lex.close()
@@ -391,21 +380,12 @@ class SQLiteStore(SQLStore):
             except Exception:  # a cache: logged, and the next search or save tries again
                 log.exception("background cache work failed")
 
-        with self._saver_lock:
-            if self._closing.is_set():
-                return
-            if self._saver is None or self._saver_pid != os.getpid():  # none, or a parent's
-                self._saver = ThreadPoolExecutor(1, thread_name_prefix="engram-cache-save")
-                self._saver_pid = os.getpid()
-            self._saver.submit(run)
+        self._saver.submit(run)
 
     def wait_for_saves(self) -> None:
         """Wait until the background cache work asked for so far is done (files written and
         named, loaded caches' candidates built)."""
-        with self._saver_lock:
-            saver = self._saver if self._saver_pid == os.getpid() else None
-        if saver is not None:
-            saver.submit(lambda: None).result()
+        self._saver.drain()
 
     def candidates(self, ids: Sequence[str], query: Query | None = None) -> dict[str, Candidate]:
         """From the scope's `text` cache when it is exact (a search's pool costs no SQL); the
@@ -542,17 +522,15 @@ class SQLiteStore(SQLStore):
         cores then. A search that finds the helper taken by another does both itself (searches
         never queue for it: concurrent searches already share the cores). Inside a write
         transaction both stay on this thread, whose connection sees the write."""
-        helper = None
-        if (vector is not None and keys and terms and self._large(query)
-                and not self._db.get().in_transaction and self._helper_free.acquire(blocking=False)):
-            helper = self._search_helper()
-            if helper is None:  # closing
-                self._helper_free.release()
-        if helper is None or vector is None:  # (no vector: no helper)
+        if (vector is None or not keys or not terms or not self._large(query)
+                or self._db.get().in_transaction or not self._helper_free.acquire(blocking=False)):
             return super().pool(query, k, vector=vector, keys=keys, terms=terms,
                                 previous_weight=previous_weight)
         try:
-            lexical = helper.submit(self.lexical, query, terms, k, previous_weight)
+            lexical = self._helper.submit(self.lexical, query, terms, k, previous_weight)
+            if lexical is None:  # closing
+                return super().pool(query, k, vector=vector, keys=keys, terms=terms,
+                                    previous_weight=previous_weight)
             try:
                 found = {key: self.dense(query, vector, k, key=key) for key in keys}
             except BaseException:
@@ -569,16 +547,6 @@ class SQLiteStore(SQLStore):
         with self._slabs_lock:
             slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, "text"))
         return slab is not None and slab.n > self.ann_threshold
-
-    def _search_helper(self) -> ThreadPoolExecutor | None:
-        """The store's thread for a search's lexical side (this process's; none once closing)."""
-        with self._saver_lock:
-            if self._closing.is_set():
-                return None
-            if self._helper is None or self._helper_pid != os.getpid():  # none, or a parent's
-                self._helper = ThreadPoolExecutor(1, thread_name_prefix="engram-search")
-                self._helper_pid = os.getpid()
-            return self._helper
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
