@@ -237,9 +237,10 @@ SAME = {"hybrid": {"s4:0": "s3:0", "s4:1": "s3:1"}, "bm25": {}}
 
 
 @pytest.fixture
-def conversation(store: Store, embedder: MiniLM) -> Iterator[tuple[Memory, dict[str, str]]]:
-    """The conversation through `Memory`, on `store`; memory id -> label ("s1:0", "fact:1")."""
-    mem = Memory(store=store, embedder=embedder)
+def conversation(store: Store, fp32: MiniLM) -> Iterator[tuple[Memory, dict[str, str]]]:
+    """The conversation through `Memory`, on `store`; memory id -> label ("s1:0", "fact:1").
+    Embedded in fp32, the space TOP5 was written in."""
+    mem = Memory(store=store, embedder=fp32)
     labels: dict[str, str] = {}
     for sid, turns in SESSIONS.items():
         added = mem.add([{"role": "user", "name": who, "content": text, "observed_at": WHEN}
@@ -259,12 +260,12 @@ def top5(store: Store, embedder: MiniLM, labels: dict[str, str], preset: str) ->
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_memory_search_ranks_alike(store: Store, embedder: MiniLM,
+def test_memory_search_ranks_alike(store: Store, fp32: MiniLM,
                                    conversation: tuple[Memory, dict[str, str]],
                                    preset: str) -> None:
     """The same top 5 on every store: lexical alone (BM25 with the previous turn) and the
     default preset (dense keys, BM25, speaker, time and session adjustments); the turns of s3
     and s4 tie exactly and come in creation order."""
     _, labels = conversation
-    got = top5(store, embedder, labels, preset)
+    got = top5(store, fp32, labels, preset)
     assert [[SAME[preset].get(label, label) for label in hits] for hits in got] == TOP5[preset]
