@@ -84,6 +84,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from engram import Memory  # noqa: E402
 from engram.model import Event, EventType, Kind, MemoryRecord, Scope, new_id  # noqa: E402
 from engram.pipeline.text import content_hash  # noqa: E402
+from engram.providers import embedders  # noqa: E402
 from engram.store import Key, Lexical  # noqa: E402
 from engram.store.records import insert_event  # noqa: E402
 
@@ -228,7 +229,9 @@ def real_ingest(mem: Memory, n: int, batch: int, user_id: str) -> dict[str, floa
 
 def vector_pool(mem: Memory, n: int) -> np.ndarray:
     """`n` really embedded synthetic turns (speaker-prefixed, as `Memory.add` embeds them)."""
-    tag = hashlib.sha1(f"{mem.embedder.name}:{n}:{GENERATOR_VERSION}".encode()).hexdigest()[:10]
+    # by space, not name: fp32 and int8 MiniLM share the name `minilm`
+    space = embedders.space(mem.embedder)
+    tag = hashlib.sha1(f"{space}:{n}:{GENERATOR_VERSION}".encode()).hexdigest()[:10]
     path = RESULTS / "cache" / f"pool-{mem.embedder.name}-{n}-{tag}.npy"
     if path.exists():
         return np.load(path)

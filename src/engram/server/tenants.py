@@ -4,9 +4,10 @@ PostgreSQL one connection pool, and the embedders (the model is the big part): o
 The tenant `None` is the single-user database itself (`engram serve --no-auth`), so the
 service and the CLI see the same memories.
 
-The shared embedder is taken in turns (`FairGate`): each tenant's calls wait in the tenant's own
-line and the lines are served round-robin, a bounded chunk of texts a turn, so one tenant's flood
-of long adds delays another tenant's search by at most one chunk, not by the whole flood.
+The embedders are taken in turns (one `FairGate` for all: the cores are what is shared): each
+tenant's calls wait in the tenant's own line and the lines are served round-robin, a bounded
+chunk of texts a turn, so one tenant's flood of long adds delays another tenant's search by at
+most one chunk, not by the whole flood.
 """
 
 from __future__ import annotations
