@@ -54,9 +54,9 @@ def create_app(config: Config | None = None, *, auth: bool = True, embedder: Emb
     """The service app. `embedder` is shared by every tenant (default: the configured one, and
     with `auto` each tenant's database's own: `Tenants`); `keys` defaults to the key store
     beside the database; `auth=False` serves the single-user database to anyone who can reach
-    the port. The MCP server is at /mcp unless `mcp=False` or
-    the MCP SDK (the mcp extra) is not installed. `local_only` (default: when auth is off)
-    answers only requests whose Host and Origin are loopback (see server/local.py)."""
+    the port. The MCP server is at /mcp unless `mcp=False` or the MCP SDK (the mcp extra) is
+    not installed. `local_only` (default: when auth is off) answers only requests whose Host
+    and Origin are loopback (see server/local.py)."""
     config = config or Config.from_env()
     limits = limits or ServiceLimits()
     own_keys = auth and keys is None
