@@ -376,13 +376,11 @@ class PostgresStore(SQLStore):
             statements.append(sql.lexical(self.tenant, query, phrases, k, previous_weight))
         v = None if vector is None or not keys else np.asarray(vector, dtype=np.float32).ravel()
         dim = 0 if v is None else int(v.shape[0])
-        large = [key for key in keys if self._large.get(self._slab_key(query.scope, key))] \
-            if v is not None else []
-        remote: dict[str, Future[list[tuple[str, float]]]] = {}
-        if large and v is not None:
-            for key in large:
-                if (future := self._sides.submit(self.dense, query, v, k, key)) is not None:
-                    remote[key] = future  # else closing: searched here
+        remote: dict[str, Future[list[tuple[str, float]]]] = {}  # large scopes' keys
+        for key in keys if v is not None else ():
+            if (self._large.get(self._slab_key(query.scope, key))
+                    and (future := self._sides.submit(self.dense, query, v, k, key)) is not None):
+                remote[key] = future  # (None: closing, searched here)
         try:
             ahead = {} if v is None else self._ahead(query.scope, keys, dim)
             for name, (tomb, seq, rich) in ahead.items():
