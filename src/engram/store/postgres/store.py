@@ -94,9 +94,11 @@ class PostgresStore(SQLStore):
         self._to_vacuum: set[str] = set()
         self._closed = False
         self._tokenizer = bm25.Tokenizer()  # shared with the stores of other tenants (for_tenant)
-        # Dense searches whose last count of visible keys was at most `exact_limit` (by tenant,
-        # query but its time, key, dimension): the next one scans at once. Only a hint: an
-        # exact scan is never a wrong answer, and it counts what it scans.
+        # Dense searches whose last count of visible keys was at most `exact_limit` (True; by
+        # tenant, query but its time, key, dimension): the next one scans at once; or above it
+        # with a valid index (False): the next one asks the index at once. Only a hint: an
+        # exact scan is never a wrong answer, and it counts what it scans; an index query that
+        # finds too few forgets it.
         self._small: dict[tuple[Any, ...], bool] = {}
         self._inserted = self._analyzed_at = 0  # rows this process wrote; at its last ANALYZE
         self._vector: tuple[bytes, str] = (b"", "")  # the last query vector and its literal
@@ -302,7 +304,7 @@ class PostgresStore(SQLStore):
         iterative scans so that filters do not starve it, and the exact scan again if the
         index still returns fewer than `k`. One statement for a small scope: the count that
         decides and the scan it allows, or, once the scope is known to be small, the scan
-        counting what it scores."""
+        counting what it scores; once it is known to be large, the index query alone."""
         if k <= 0:
             return []
         v = np.asarray(vector, dtype=np.float32).ravel()
@@ -325,37 +327,47 @@ class PostgresStore(SQLStore):
             log.debug("dense: exact scan (no index for %d dimensions), %d hits", dim, len(rows))
             return [(row[0], float(row[1])) for row in rows]
         shape = _shape(self.tenant, query, key, dim)
-        if shape is not None and self._small.get(shape):
+        known = None if shape is None else self._small.get(shape)  # True small, False large + indexed
+        if shape is not None and known:
             rows = self._batch([(sql.dense_counted_sql(source), [lit, *sparams, k])])[0]
             if rows and rows[0][2] > limit:
-                self._small[shape] = False  # it grew: the next search counts first
+                del self._small[shape]  # it grew: the next search counts first
             log.debug("dense: exact scan of a small scope, %d hits", len(rows))
             return [(row[0], float(row[1])) for row in rows]
-        rows = self._batch([(sql.dense_guarded_sql(source),
-                             [schema.hnsw_index_name(dim), *sparams, limit + 1, lit, *sparams,
-                              limit, k])])[0]
-        (_, _, n, indexed) = rows[0]
-        if shape is not None:
-            if len(self._small) > 4096:
-                self._small.clear()
-            self._small[shape] = n <= limit
-        if n <= limit or not indexed:
-            if n <= limit:
-                log.debug("dense: exact scan of %d keys", n)
-            else:  # the index would answer: built meanwhile, off this search's path
-                self._builds.request(dim)
-                log.debug("dense: exact scan of more than %d keys (no HNSW index yet)", limit)
-            return [(row[0], float(row[1])) for row in rows if row[0] is not None]
-        ann: list[tuple[str, Sequence[Any]]] = [
-            ("SELECT set_config('hnsw.ef_search', %s, true)", (str(min(1000, max(100, 2 * k))),))]
-        if self._iterative:
-            ann.append(("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)", ()))
-        ann.append((sql.dense_ann_sql(dim, source), [lit, *sparams, lit, 2 * k, k]))
-        rows = self._batch(ann)[-1]
-        if len(rows) >= k:
-            log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
-            return [(row[0], float(row[1])) for row in rows]
+        if known is None:
+            rows = self._batch([(sql.dense_guarded_sql(source),
+                                 [schema.hnsw_index_name(dim), *sparams, limit + 1, lit, *sparams,
+                                  limit, k])])[0]
+            (_, _, n, indexed) = rows[0]
+            if shape is not None and (n <= limit or indexed):  # large without an index: count again
+                if len(self._small) > 4096:
+                    self._small.clear()
+                self._small[shape] = n <= limit
+            if n <= limit or not indexed:
+                if n <= limit:
+                    log.debug("dense: exact scan of %d keys", n)
+                else:  # the index would answer: built meanwhile, off this search's path
+                    self._builds.request(dim)
+                    log.debug("dense: exact scan of more than %d keys (no HNSW index yet)", limit)
+                return [(row[0], float(row[1])) for row in rows if row[0] is not None]
+        # A large scope with an index: its nearest keys, as many as the SQLite store's HNSW
+        # search asks for (a memory has one `text` and one `window` key, so this finds k
+        # memories), four times more while they are fewer (several `fact` keys of one memory)
+        count = k + k // 8 + 32
+        for _ in range(2):
+            ann: list[tuple[str, Sequence[Any]]] = [
+                ("SELECT set_config('hnsw.ef_search', %s, true)", (str(min(1000, max(100, count))),))]
+            if self._iterative:
+                ann.append(("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)", ()))
+            ann.append((sql.dense_ann_sql(dim, source), [lit, *sparams, lit, count, k]))
+            rows = self._batch(ann)[-1]
+            if len(rows) >= k:
+                log.debug("dense: approximate (HNSW) query, %d hits", len(rows))
+                return [(row[0], float(row[1])) for row in rows]
+            count *= 4
         log.debug("dense: the approximate query found %d of %d; exact scan", len(rows), k)
+        if shape is not None:
+            self._small.pop(shape, None)  # shrunk, or its index gone: the next search counts
         rows = self._batch([exact])[0]
         return [(row[0], float(row[1])) for row in rows]
 
