@@ -160,6 +160,36 @@ def test_a_saved_index_is_loaded_not_rebuilt(path: Path, filled: dict[str, list[
         second.close()
 
 
+def test_an_index_saved_in_float16_by_an_earlier_version_is_still_used(
+        path: Path, filled: dict[str, list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """New indexes hold bfloat16; one saved in float16 is loaded as it is, not rebuilt, and
+    answers as it did."""
+    probe = vectors(1, 9)[0]
+    monkeypatch.setattr(ann_module, "DTYPE", "f16")
+    old = SQLiteStore(path, ann_threshold=100)
+    try:
+        expected = old.dense(q("a"), probe, 10)
+    finally:
+        old.close()
+    monkeypatch.undo()
+    assert ann_module.DTYPE == "bf16"
+    built: list[int] = []
+    real_add = ann_module.Ann.add
+    monkeypatch.setattr(ann_module.Ann, "add",
+                        lambda self, seqs, vecs: (built.append(len(seqs)), real_add(self, seqs, vecs)))
+    new = SQLiteStore(path, ann_threshold=100)
+    try:
+        assert new.dense(q("a"), probe, 10) == expected
+        assert sum(built) == 0
+        (index,) = [s.ann for s in new._slabs.values() if s.ann is not None]
+        assert str(index.index.dtype) == "ScalarKind.F16"
+        assert new.dense(q("b"), probe, 10)  # a scope indexed now: bfloat16
+        assert {str(s.ann.index.dtype) for s in new._slabs.values() if s.ann is not None} == {
+            "ScalarKind.F16", "ScalarKind.BF16"}
+    finally:
+        new.close()
+
+
 def test_an_unreadable_saved_index_is_rebuilt(path: Path, filled: dict[str, list[str]]) -> None:
     saved = path.parent / "engram.db.ann"
     store = SQLiteStore(path, ann_threshold=100)
