@@ -22,6 +22,7 @@ from engram.providers.embedders import (
     SentenceTransformerMiniLM,
     get_embedder,
     length_batches,
+    split_parts,
 )
 from llm_server import LlamaServer, free_port
 
@@ -120,6 +121,33 @@ def test_int8_vectors_stay_close_to_fp32(fp32: MiniLM) -> None:
     assert ops["MatMulIntegerToFloat"] == 4 * 6 and ops["MultiHeadAttention"] == 6
     assert ops["MatMul"] == 1  # only the pooling is left in floats
     assert path.stat().st_size < onnx_graph.ensure_graph(int8.cache_dir).stat().st_size / 3
+
+
+def test_a_batch_is_split_over_threads_and_gets_the_same_vectors(embedder: MiniLM) -> None:
+    """With two threads a call of many texts runs in two parts at once (the helper thread runs
+    one), each text getting the vector it gets in one pass; a few texts stay on the caller."""
+    texts = [f"turn {i}: " + "and then " * (i % 13) + TEXTS[i % len(TEXTS)] for i in range(40)]
+    two = MiniLM(threads=2, int8=True)
+    assert two._helpers is not None
+    handed: list[int] = []
+    submit = two._helpers.submit
+    two._helpers.submit = lambda fn, part: (handed.append(len(part)), submit(fn, part))[1]  # type: ignore[method-assign]
+    np.testing.assert_allclose(two._encode(texts), embedder._encode(texts), atol=1e-6)
+    assert len(handed) == 1 and 10 < handed[0] < 30  # the other part, of about half the tokens
+    np.testing.assert_allclose(two._encode(texts[:7]), embedder._encode(texts[:7]), atol=1e-6)
+    assert len(handed) == 1  # 7 texts: one part
+    two._helpers.close()  # closed helpers: the caller runs every part
+    np.testing.assert_allclose(two._encode(texts), embedder._encode(texts), atol=1e-6)
+
+
+def test_split_parts_deals_rows_by_length_into_balanced_parts() -> None:
+    lengths = [5, 40, 7, 33, 12, 9, 28, 3, 16, 21]
+    parts = split_parts(lengths, 2)
+    assert sorted(r for part in parts for r in part) == list(range(10))
+    totals = [sum(lengths[r] for r in part) for part in parts]
+    assert abs(totals[0] - totals[1]) <= max(lengths) // 2
+    assert split_parts(lengths, 4) == split_parts(lengths, 2)  # at least 4 rows a part
+    assert split_parts([3, 1], 2) == [[0, 1]] and split_parts([], 2) == [[]]
 
 
 def test_an_int8_vector_does_not_depend_on_its_batch(embedder: MiniLM) -> None:

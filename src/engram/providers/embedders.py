@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..errors import ProviderError
+from ..threads import Threads
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -172,8 +173,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def default_threads() -> int:
-    """Intra-op threads of a forward pass: the cores, at most 4 (MiniLM gains little beyond,
-    and fewer threads degrade more gently when other processes want the same cores)."""
+    """Threads a batch of the local model is split over: the cores, at most 4 (MiniLM gains
+    little beyond, and fewer threads degrade more gently when other processes want the same
+    cores)."""
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                       else os.cpu_count() or 1))
 
@@ -184,7 +186,14 @@ class MiniLM(Batched):
 
     Texts are tokenized (`tokenizers`, the model's own tokenizer.json; 256 tokens at most, as
     sentence-transformers truncates), sorted by length and cut into batches of about
-    `batch_tokens` tokens, so short turns are not padded to the longest one."""
+    `batch_tokens` tokens, so short turns are not padded to the longest one.
+
+    A forward pass runs on one thread; a call of many texts is dealt into `threads` parts of
+    about equal tokens, run at once (ONNX Runtime lets go of the GIL) on the calling thread and
+    helper threads. Measured on the LoCoMo dev sessions (int8, 2 cores): 380-388 texts/s
+    against 314-343 with one pass over two intra-op threads, whose threads wait on each other
+    at every operator of these small matrices; and a query alone (one text) takes 1.6 ms
+    instead of 2.4."""
 
     name = "minilm"
     dim = 384
@@ -205,6 +214,7 @@ class MiniLM(Batched):
         self.batch_tokens = batch_tokens
         self._session: Any = None
         self._tokenizer: Any = None
+        self._helpers = Threads(self.threads - 1, "engram-embed") if self.threads > 1 else None
 
     def _after_fork(self) -> None:
         super()._after_fork()
@@ -237,12 +247,8 @@ class MiniLM(Batched):
                 # the level stays at its maximum for what is left (constant folding, layouts).
                 opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
                 opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # a chain: no branches to overlap
-                opts.intra_op_num_threads = self.threads
+                opts.intra_op_num_threads = 1  # a pass on its caller's thread: see the class
                 opts.inter_op_num_threads = 1
-                # Idle threads sleep instead of spinning: a spinning pool steals the cores a
-                # busy neighbour (or the rest of this process) needs, and stalls under load.
-                opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-                opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
                 opts.log_severity_level = 3
                 self._session = ort.InferenceSession(str(path), opts,
                                                      providers=["CPUExecutionProvider"])
@@ -261,15 +267,41 @@ class MiniLM(Batched):
         session, tokenizer = self._load()
         ids = [e.ids for e in tokenizer.encode_batch(texts)]
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for rows in length_batches([len(i) for i in ids], self.batch_tokens):
-            width = max(len(ids[r]) for r in rows)
-            tokens = np.zeros((len(rows), width), dtype=np.int64)
-            mask = np.zeros((len(rows), width), dtype=np.int64)
-            for j, r in enumerate(rows):
-                tokens[j, :len(ids[r])] = ids[r]
-                mask[j, :len(ids[r])] = 1
-            out[rows] = session.run(None, {"input_ids": tokens, "attention_mask": mask})[0]
+
+        def run(part: list[int]) -> None:
+            for batch in length_batches([len(ids[r]) for r in part], self.batch_tokens):
+                rows = [part[j] for j in batch]
+                width = max(len(ids[r]) for r in rows)
+                tokens = np.zeros((len(rows), width), dtype=np.int64)
+                mask = np.zeros((len(rows), width), dtype=np.int64)
+                for j, r in enumerate(rows):
+                    tokens[j, :len(ids[r])] = ids[r]
+                    mask[j, :len(ids[r])] = 1
+                out[rows] = session.run(None, {"input_ids": tokens, "attention_mask": mask})[0]
+
+        parts = split_parts([len(i) for i in ids], self.threads)
+        others = [self._helpers.submit(run, part) for part in parts[1:]] if self._helpers else []
+        run(parts[0])
+        for part, future in zip(parts[1:], others, strict=True):
+            if future is None:  # the helpers are closed: this thread runs it
+                run(part)
+            else:
+                future.result()
         return out
+
+
+def split_parts(lengths: Sequence[int], parts: int, least: int = 4) -> list[list[int]]:
+    """Row indices dealt into at most `parts` parts of about equal tokens (the longest first,
+    each to the part with the fewest so far), each of at least `least` rows: a few texts are
+    not worth a thread's hand-over."""
+    n = max(1, min(parts, len(lengths) // least))
+    dealt: list[list[int]] = [[] for _ in range(n)]
+    totals = [0] * n
+    for r in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):
+        i = totals.index(min(totals))
+        dealt[i].append(r)
+        totals[i] += lengths[r]
+    return dealt
 
 
 def length_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:

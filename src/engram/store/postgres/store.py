@@ -24,12 +24,12 @@ from psycopg import errors as pgerr
 
 from ...errors import InvalidInput, StoreBusy, StoreUnavailable
 from ...model import Job, MemoryRecord, Scope
+from ...threads import Threads
 from .. import bm25
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
 from ..slab import Slab, evict
 from ..sqlstore import Run, SQLStore, SQLTx
-from ..threads import Threads
 from . import schema, sql
 from .ann import IndexBuilds
 from .pool import NO_FLUSH, Connection, Pool, translate

@@ -28,12 +28,12 @@ import numpy as np
 
 from ...errors import StoreError
 from ...model import Job, JobStatus, MemoryRecord
+from ...threads import Threads
 from .. import cachefile
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Seen, Select
 from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
-from ..threads import Threads
 from . import ann, lexicon, schema, sql
 from .conn import DB_ERRORS, Connections, is_busy
 from .lexicon import MAX_DEAD, Lexicon
@@ -137,7 +137,7 @@ class SQLiteStore(SQLStore):
         """In a forked child. A lock that a parent thread held at the fork (a search, a cache
         save) would never be released here, and what it guarded may be half-changed: such a
         lock is replaced and its state dropped (loaded again on use). The threads stay the
-        parent's: the child starts its own (store/threads.py)."""
+        parent's: the child starts its own (threads.py)."""
         if self._lex_lock.locked():
             self._lex_lock, self._lex = threading.Lock(), None
         if self._slabs_lock.locked():

@@ -1,8 +1,9 @@
-"""`Threads`: a store's helper threads, started on first use and owned by one process.
+"""`Threads`: helper threads, started on first use and owned by one process.
 
-A store hands work to a thread of its own in three places: SQLite saves its cache files and
-searches a large scope's lexical side beside the dense keys; PostgreSQL sends a large scope's
-dense keys beside its first round trip. All three need the same care. The threads of a parent
+Work goes to threads of its own in four places: SQLite saves its cache files and searches a
+large scope's lexical side beside the dense keys; PostgreSQL sends a large scope's dense keys
+beside its first round trip; the local embedder runs parts of a batch beside each other. All
+need the same care. The threads of a parent
 do not exist in a forked child (gunicorn `--preload`, Celery prefork), so a child starts its
 own; a lock held at the fork by a parent thread would never be released, so the child gets a
 new one; and once closed, no work is taken.
