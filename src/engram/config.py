@@ -77,7 +77,7 @@ class Config:
 
     # -- Embedders (ENGRAM_EMBED_*, ENGRAM_CACHE_DIR; providers/embedders.py) ---------------------
     cache_dir: Path = field(default_factory=default_cache_dir)  # the ONNX graph, built once
-    embed_threads: int | None = None        # intra-op threads of the local model; None: cores, max 4
+    embed_threads: int | None = None        # threads a local batch is split over; None: cores, max 4
     embed_base_url: str | None = None       # embedder `openai`: the /v1 endpoint
     embed_api_key: str | None = field(default=None, repr=False)
     embed_model: str | None = None          # embedder `openai`: None: the first model listed
