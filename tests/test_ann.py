@@ -95,6 +95,36 @@ def test_the_index_answers_like_the_exact_scan(path: Path, filled: dict[str, lis
         exact.close()
 
 
+def test_a_memory_the_index_misses_is_scored_from_the_pool(
+        path: Path, filled: dict[str, list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index may miss a key (here: made to); if another retriever puts the memory high in
+    the pool, its exact cosine places it in the dense list as the exact scan would."""
+    exact = SQLiteStore(path, ann_threshold=10**9)
+    store = SQLiteStore(path, ann_threshold=100)
+    try:
+        probe = vectors(1, 9)[0]
+        truth = exact.dense(q("a"), probe, 10)
+        missed, cosine = truth[0]  # the nearest memory of all
+        slab, _ = store._slab(q("a"), "text", DIM)
+        seq = int(slab.seqs[slab.row_of[missed]])
+        search = ann_module.Ann.search
+        monkeypatch.setattr(ann_module.Ann, "search", lambda self, v, count: (
+            lambda found: found[found != seq])(search(self, v, count)))
+        (text,) = [r[0] for r in store._read("SELECT text FROM memories WHERE id = ?", [missed])]
+        number = text.split()[-1]  # "memory a episodic 17": "17" is in two of scope a's texts
+        assert missed not in dict(store.dense(q("a"), probe, 10))  # the index misses it
+        found = store.pool(q("a"), 10, vector=probe, keys=["text"], terms=[number])
+        assert missed in dict(found["lexical"][:2])  # the first quarter of k = 10
+        assert found["text"][0] == (missed, pytest.approx(cosine, abs=1e-6))
+        assert [m for m, _ in found["text"]] == [m for m, _ in truth]
+        # with nothing else finding it, the list stays the index's
+        assert missed not in dict(store.pool(q("a"), 10, vector=probe, keys=["text"],
+                                             terms=["nothingmatches"])["text"])
+    finally:
+        store.close()
+        exact.close()
+
+
 def test_scopes_kinds_deletes_and_new_keys(path: Path, filled: dict[str, list[str]]) -> None:
     store = SQLiteStore(path, ann_threshold=100)
     try:

@@ -63,6 +63,7 @@ class Slab:
         self.memory_ids: list[str] = []
         self.codes = np.zeros(cap, dtype=np.int64)  # per row, a number for its memory id
         self._code: dict[str, int] = {}
+        self.latest = np.zeros(0, dtype=np.int64)  # per memory number, its latest row
         self.ann: Ann | None = None  # the HNSW index over these rows, at large scopes
         self.rich = rich
         self.cands: list[Candidate | None] = []  # per row, when rich
@@ -105,6 +106,11 @@ class Slab:
         self.memory_ids.extend(mids)
         code = self._code
         self.codes[self.n:need] = [code.setdefault(mid, len(code)) for mid in mids]
+        if len(code) > len(self.latest):
+            grown = np.full(max(len(code), 2 * len(self.latest)), -1, dtype=np.int64)
+            grown[:len(self.latest)] = self.latest
+            self.latest = grown
+        self.latest[self.codes[self.n:need]] = np.arange(self.n, need)
         if self.rich:
             self.cands.extend(self._candidates(attrs, d) if attrs else [None] * len(mids))
             if self.cold is not None:
@@ -244,6 +250,19 @@ class Slab:
         mask[mask] = self.visible(query, held[mask])
         return {mid for mid, ok in zip(ids, mask.tolist(), strict=True) if ok}
 
+    def cosines(self, ids: Sequence[str], vector: np.ndarray) -> list[tuple[str, float]]:
+        """The cosine of each id's latest live row with `vector` (a unit vector), for the ids
+        the slab holds a live row of (a memory with several, `fact` keys: its latest, a lower
+        bound of its best)."""
+        code, latest = self._code, self.latest
+        pairs = [(mid, c) for mid in ids if (c := code.get(mid)) is not None]
+        rows = latest[np.array([c for _, c in pairs], dtype=np.int64)] if pairs else latest[:0]
+        live = rows >= 0
+        live[live] = self.alive[rows[live]] & self.ok[rows[live]]
+        sims = self.mat[rows[live]] @ vector
+        return list(zip([mid for (mid, _), good in zip(pairs, live.tolist(), strict=True) if good],
+                        sims.tolist(), strict=True))
+
     def first_per_memory(self, rows: np.ndarray) -> np.ndarray:
         """`rows` (best first) keeping each memory's first row only."""
         if not len(rows):
@@ -324,6 +343,8 @@ class Slab:
         # built in C (the last row of an id wins, as in `append`); "" is a dead row's blank id
         slab._code = dict(zip(slab.memory_ids, codes.tolist(), strict=True))
         slab._code.pop("", None)
+        slab.latest = np.full(int(codes.max()) + 1, -1, dtype=np.int64)
+        slab.latest[codes] = np.arange(n)
         slab.n = n
         slab.max_seq, slab.version = int(head["max_seq"]), int(head["version"])
         slab.rows_version, slab.tomb_max = int(head["rows_version"]), int(head["tomb_max"])

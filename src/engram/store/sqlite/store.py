@@ -522,24 +522,56 @@ class SQLiteStore(SQLStore):
         cores then. A search that finds the helper taken by another does both itself (searches
         never queue for it: concurrent searches already share the cores). Inside a write
         transaction both stay on this thread, whose connection sees the write."""
-        if (vector is None or not keys or not terms or not self._large(query)
-                or self._db.get().in_transaction or not self._helper_free.acquire(blocking=False)):
-            return super().pool(query, k, vector=vector, keys=keys, terms=terms,
-                                previous_weight=previous_weight)
-        try:
-            lexical = self._helper.submit(self.lexical, query, terms, k, previous_weight)
-            if lexical is None:  # closing
-                return super().pool(query, k, vector=vector, keys=keys, terms=terms,
-                                    previous_weight=previous_weight)
+        large = vector is not None and self._large(query) and not self._db.get().in_transaction
+        if not (large and vector is not None and keys and terms
+                and self._helper_free.acquire(blocking=False)):
+            found = super().pool(query, k, vector=vector, keys=keys, terms=terms,
+                                 previous_weight=previous_weight)
+        else:
             try:
-                found = {key: self.dense(query, vector, k, key=key) for key in keys}
-            except BaseException:
-                wait([lexical])  # never left running; this error is the search's
-                raise
-            found["lexical"] = lexical.result()
-            return found
-        finally:
-            self._helper_free.release()
+                lexical = self._helper.submit(self.lexical, query, terms, k, previous_weight)
+                if lexical is None:  # closing
+                    found = super().pool(query, k, vector=vector, keys=keys, terms=terms,
+                                         previous_weight=previous_weight)
+                else:
+                    try:
+                        found = {key: self.dense(query, vector, k, key=key) for key in keys}
+                    except BaseException:
+                        wait([lexical])  # never left running; this error is the search's
+                        raise
+                    found["lexical"] = lexical.result()
+            finally:
+                self._helper_free.release()
+        if large and vector is not None:
+            self._complete(query, vector, k, keys, found)
+        return found
+
+    def _complete(self, query: Query, vector: np.ndarray, k: int, keys: Sequence[str],
+                  found: dict[str, list[tuple[str, float]]]) -> None:
+        """Each dense key's list of a large scope, from the HNSW index, completed from the
+        pool: a candidate high in another retriever's list (so visible to the query) that the
+        index missed, but whose exact cosine beats the list's last, joins it, as it would in an
+        exact search. The index can miss a small cluster of memories far from the rest of the
+        scope (a conversation among a million others); its words or the other key still bring
+        them to the pool. LoCoMo in a 1M haystack (README): R@10 0.579 -> 0.711, the exact
+        scan's 0.698; at 100k, the exact scan's recall."""
+        # the first quarter of each list: a candidate lower in all of them does not reach the
+        # results, and scoring every candidate cost ~14 ms a search at 1M (a quarter: ~2 ms)
+        pool = list(dict.fromkeys(mid for hits in found.values() for mid, _ in hits[:k // 4]))
+        v = unit(np.asarray(vector, dtype=np.float32))
+        s = query.scope
+        for key in keys:
+            hits = found.get(key)
+            with self._slabs_lock:
+                slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, key))
+                if hits is None or slab is None or slab.n <= self.ann_threshold:
+                    continue
+                have = {mid for mid, _ in hits}
+                scored = slab.cosines([mid for mid in pool if mid not in have], v)
+            last = hits[-1][1] if len(hits) >= k else -np.inf
+            joined = [(mid, sim) for mid, sim in scored if sim > last]
+            if joined:
+                found[key] = sorted(hits + joined, key=lambda hit: -hit[1])[:k]
 
     def _large(self, query: Query) -> bool:
         """Whether the scope's cached `text` keys are more than the ANN threshold."""
