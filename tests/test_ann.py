@@ -56,6 +56,15 @@ def q(user: str, kinds: tuple[Kind, ...] | None = None) -> Query:
     return Query(scope=Scope(user_id=user), now=NOW + timedelta(days=1), kinds=kinds)
 
 
+def count_adds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of keys of each `Ann.add` from now on (none: every index was loaded)."""
+    added: list[int] = []
+    real_add = ann_module.Ann.add
+    monkeypatch.setattr(ann_module.Ann, "add",
+                        lambda self, seqs, vecs: (added.append(len(seqs)), real_add(self, seqs, vecs)))
+    return added
+
+
 @pytest.fixture
 def path(tmp_path: Path) -> Path:
     return tmp_path / "engram.db"
@@ -178,10 +187,7 @@ def test_a_saved_index_is_loaded_not_rebuilt(path: Path, filled: dict[str, list[
         expected = first.dense(q("a"), probe, 10)
     finally:
         first.close()
-    added: list[int] = []
-    real_add = ann_module.Ann.add
-    monkeypatch.setattr(ann_module.Ann, "add",
-                        lambda self, seqs, vecs: (added.append(len(seqs)), real_add(self, seqs, vecs)))
+    added = count_adds(monkeypatch)
     second = SQLiteStore(path, ann_threshold=100)
     try:
         assert second.dense(q("a"), probe, 10) == expected
@@ -203,10 +209,7 @@ def test_an_index_saved_in_float16_by_an_earlier_version_is_still_used(
         old.close()
     monkeypatch.undo()
     assert ann_module.DTYPE == "bf16"
-    built: list[int] = []
-    real_add = ann_module.Ann.add
-    monkeypatch.setattr(ann_module.Ann, "add",
-                        lambda self, seqs, vecs: (built.append(len(seqs)), real_add(self, seqs, vecs)))
+    built = count_adds(monkeypatch)
     new = SQLiteStore(path, ann_threshold=100)
     try:
         assert new.dense(q("a"), probe, 10) == expected
