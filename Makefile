@@ -22,10 +22,14 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -q -e '.[all]'
 	touch $@
 
-# llama-cpp-python (the LLM tests' real server) compiles from source: ~8 min on 2 cores, once;
-# pip caches the wheel after that.
+# llama-cpp-python (the LLM tests' real server) compiles from source: 4-8 min on 2 cores, once
+# per venv. It is built for any x86-64-v3 CPU, not with -march=native: on a Xeon with AMX (seen
+# here), a native build's AMX matrix kernel (ggml_backend_amx_mul_mat) segfaults on the first
+# prompt of more than one token. Never from pip's cache, which may hold a natively built wheel.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
 $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 	@echo "installing dev tools; building llama-cpp-python from source takes several minutes"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q --no-cache-dir 'llama-cpp-python[server]>=0.3'
 	$(PIP) install -q -e '.[dev]'
 	@# the console's browser tests drive Debian's chromium (Playwright's own download is offline here)
 	@test -x /usr/bin/chromium || (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium))
