@@ -277,10 +277,11 @@ def test_falls_back_to_fts5_inside_a_write_and_for_long_phrases(store: SQLiteSto
 
 def test_a_search_pool_runs_its_lexical_side_beside_the_dense_one(
         store: SQLiteStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a large scope `pool` hands the lexical side to the store's helper thread while its
-    own thread searches the dense keys, and answers what one thread doing both answers. It
-    keeps both on its own thread for a small scope, when the helper is taken (searches never
-    queue for it) and inside a write, whose uncommitted rows only its own connection sees."""
+    """On a large scope `pool` hands the lexical ranking to the store's helper thread while
+    its own thread searches the dense keys (then checks what the query may see of it), and
+    answers what one thread doing both answers. It keeps both on its own thread for a small
+    scope, when the helper is taken (searches never queue for it) and inside a write, whose
+    uncommitted rows only its own connection sees."""
     from engram.store.base import StoreBase
 
     rng = random.Random(11)
@@ -288,13 +289,17 @@ def test_a_search_pool_runs_its_lexical_side_beside_the_dense_one(
     q = Query(scope=SCOPES[0], now=NOW)
     vector = np.ones(4, dtype=np.float32) / 2
     where: list[str] = []
-    lexical = store.lexical
 
-    def traced(*a: object, **kw: object) -> list[tuple[str, float]]:
-        where.append(threading.current_thread().name)
-        return lexical(*a, **kw)  # type: ignore[arg-type]
+    def traced(name: str) -> None:
+        original = getattr(store, name)
 
-    monkeypatch.setattr(store, "lexical", traced)
+        def call(*a: object, **kw: object) -> object:
+            where.append(threading.current_thread().name)
+            return original(*a, **kw)
+        monkeypatch.setattr(store, name, call)
+
+    traced("lexical")  # the whole lexical side on the caller's thread
+    traced("_lexical_ranked")  # the helper's half
 
     def pool(words: list[str]) -> dict[str, list[tuple[str, float]]]:
         return store.pool(q, 20, vector=vector, keys=["text"], terms=words, previous_weight=0.5)
@@ -317,10 +322,39 @@ def test_a_search_pool_runs_its_lexical_side_beside_the_dense_one(
         tx.insert(r, [Key("text", vector)], Lexical(r.text))
         assert [m for m, _ in pool(["zebra"])["lexical"]] == [r.id]  # the write's own row
     assert where == ["MainThread", "MainThread"]
-    monkeypatch.setattr(store, "lexical", lambda *a, **kw: 1 / 0)
+    monkeypatch.setattr(store, "_lexical_ranked", lambda *a, **kw: 1 / 0)
     with pytest.raises(ZeroDivisionError):  # the helper's error is the search's
         pool(["ramen"])
     assert store._helper_free.acquire(blocking=False)  # and the helper is free again
+    store._helper_free.release()
+
+
+def test_a_lexical_ranking_the_query_cannot_see_enough_of_is_searched_again(
+        store: SQLiteStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper ranks a first pool of k + k/8 + 32; when the query may see fewer than k of
+    them (expired memories rank first here), the searching thread searches again in growing
+    pools, as a search on one thread does, and finds the visible ones."""
+    from engram.store.base import StoreBase
+
+    rng = random.Random(12)
+    fill(store, 100, rng)
+    gone = NOW - timedelta(days=1)
+    expired = [record("zebra", SCOPES[0], rng, expires_at=gone) for _ in range(60)]
+    kept = [record(f"a zebra crossing near the old {w} station", SCOPES[0], rng)
+            for w in ("north", "south", "east")]
+    vector = np.ones(4, dtype=np.float32) / 2
+    with store.write() as tx:
+        for r in expired + kept:
+            tx.insert(r, [Key("text", vector)], Lexical(r.text))
+    monkeypatch.setattr(store, "_large", lambda query: True)
+    q = Query(scope=SCOPES[0], now=NOW)
+    ranked = store._lexical_ranked(q, ["zebra"], 2, 0.5)
+    assert ranked is not None and not ranked.whole and len(ranked.ids) == 34
+    assert not {r.id for r in kept} & set(ranked.ids)  # the first pool: expired ones only
+    found = store.pool(q, 2, vector=vector, keys=["text"], terms=["zebra"], previous_weight=0.5)
+    assert {m for m, _ in found["lexical"]} <= {r.id for r in kept}
+    assert len(found["lexical"]) == 2
+    assert found == StoreBase.pool(store, q, 2, vector=vector, keys=["text"], terms=["zebra"])
 
 
 def test_small_databases_stay_on_fts5(tmp_path: Path) -> None:

@@ -51,6 +51,27 @@ from .. import cachefile
 from ..bm25 import K1, MIN_IDF, TOKENIZE, B, Tokenizer
 from ..cachefile import pack, unpack
 
+
+def first_pool(k: int) -> int:
+    """How many ranked documents a search for `k` visible ones looks at first: a margin for
+    those the query may not see (deleted, expired, of other kinds)."""
+    return k + k // 8 + 32
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """The lexicon's best documents for a search, best first, as memory ids and scores;
+    `whole`: every document a term matches is here (a bigger pool finds no more)."""
+
+    ids: list[str]
+    scores: list[float]
+    whole: bool
+
+    def visible(self, visible: Callable[[list[str]], set[str]]) -> list[tuple[str, float]]:
+        seen = visible(self.ids)
+        return [(mid, s) for mid, s in zip(self.ids, self.scores, strict=True) if mid in seen]
+
+
 Doc = tuple[int, str, str, str, str]  # (rid, memory id, body, context, owner) of a memory_fts row
 MAX_SEGMENTS = 8
 MAX_DEAD = 0.25
@@ -508,15 +529,21 @@ class Lexicon:
                pool: int | None = None) -> list[tuple[str, float]] | None:
         """The best `k` visible memories by BM25 (`visible` keeps the ids the query may see:
         the SQL's other conditions), in growing pools."""
-        size = pool or k + k // 8 + 32
+        size = pool or first_pool(k)
         while True:
-            ranked = self.top(terms, owners, size, previous_weight)
+            ranked = self.ranked(terms, owners, size, previous_weight)
             if ranked is None:
                 return None
-            docs, score = ranked
-            ids = [self.ids[d] for d in docs.tolist()]
-            seen = visible(ids)
-            hits = [(mid, s) for mid, s in zip(ids, score.tolist(), strict=True) if mid in seen]
-            if len(hits) >= k or len(docs) < size:
+            hits = ranked.visible(visible)
+            if len(hits) >= k or ranked.whole:
                 return hits[:k]
             size *= 4
+
+    def ranked(self, terms: Sequence[str], owners: Sequence[str], size: int,
+               previous_weight: float) -> Ranked | None:
+        """`top` as memory ids, before any visibility check (None: FTS5 answers)."""
+        found = self.top(terms, owners, size, previous_weight)
+        if found is None:
+            return None
+        docs, score = found
+        return Ranked([self.ids[d] for d in docs.tolist()], score.tolist(), len(docs) < size)
