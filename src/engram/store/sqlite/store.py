@@ -686,7 +686,7 @@ class SQLiteStore(SQLStore):
 
     def _lexical_visible(self, query: Query, ids: list[str]) -> set[str]:
         """The ids `query` may see: from the `text` cache when it is exact (no SQL), else the
-        tables decide (as the FTS5 query's conditions do). Call with the lexicon's lock."""
+        tables decide (as the FTS5 query's conditions do)."""
         s = query.scope
         with self._slabs_lock:
             slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, "text"))
