@@ -70,6 +70,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -445,12 +446,10 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
     after = total - acc["embed"] - pooled["pool"] - acc["candidates"] - acc["get"] - acc["touch"]
     breakdown["pool"] = 1000 * pooled["pool"] / len(lat)
     breakdown["fuse+rank+rest"] = 1000 * after / len(lat)
-    if not acc["lexical"] and pooled["pool"]:
-        # PostgreSQL runs BM25 in `pool`'s round trip (with the cache's versions), not through
-        # `lexical`: what `pool` took beyond the dense searches it made is the lexical side,
-        # unless a large scope's dense keys ran beside that round trip (then it is unknown)
-        extra = 1000 * (pooled["pool"] - acc["dense:text"] - acc["dense:window"]) / len(lat)
-        breakdown["lexical"] += extra if extra >= 0 else math.nan
+    if not acc["lexical"] and pooled["round trip"]:
+        # PostgreSQL runs BM25 in `pool`'s first round trip (with the cache's versions), not
+        # through `lexical`; a large scope's dense keys run beside it, on helper threads
+        breakdown["lexical"] = 1000 * pooled["round trip"] / len(lat)
     return {
         "queries": len(lat), "first_ms": 1000 * first, "first_cpu_ms": 1000 * first_cpu,
         "builds_s": dict(builds),
@@ -504,20 +503,43 @@ class _DensePaths(logging.Handler):
 
 
 def _instrument_pool(mem: Memory, acc: dict[str, float]) -> Callable[[], None]:
-    """Time the store's `pool` (the dense and lexical candidates of a search, together)."""
+    """Time the store's `pool` (the dense and lexical candidates of a search, together) and,
+    on PostgreSQL, its round trip of the versions and BM25 (`_batch` on the pool's thread):
+    while a large scope's dense keys run beside it on helper threads, that is the lexical
+    side's time, which `pool` minus the keys' times is not."""
     store: Any = mem.store
     if not hasattr(store, "pool"):
         return lambda: None
-    fn = store.pool
+    fn, batch = store.pool, getattr(store, "_batch", None)
+    inside = threading.local()
 
     def timed(*a: Any, **kw: Any) -> Any:
         t = time.perf_counter()
+        inside.pool = True
         try:
             return fn(*a, **kw)
         finally:
+            inside.pool = False
             acc["pool"] += time.perf_counter() - t
+
+    def timed_batch(*a: Any, **kw: Any) -> Any:
+        if not getattr(inside, "pool", False) or batch is None:
+            return batch(*a, **kw) if batch is not None else None
+        inside.pool = False  # the first round trip only
+        t = time.perf_counter()
+        try:
+            return batch(*a, **kw)
+        finally:
+            acc["round trip"] += time.perf_counter() - t
     store.pool = timed
-    return lambda: delattr(store, "pool")
+    if batch is not None:
+        store._batch = timed_batch
+
+    def undo() -> None:
+        delattr(store, "pool")
+        if batch is not None:
+            delattr(store, "_batch")
+    return undo
 
 
 def measure_lexical(mem: Memory, user_id: str, n_queries: int, seed: int,

@@ -516,13 +516,15 @@ class SQLiteStore(SQLStore):
         """The lexical ranking on the store's helper thread while this one searches the dense
         keys, when the scope is large (its dense search goes through the HNSW index); this
         thread then checks what the query may see of it. The two overlap where they let go of
-        the GIL (numpy, SQLite; usearch's search holds it), so the search takes less than
-        their sum. On a small scope, where each takes a millisecond or two, handing over costs
-        more than it saves (LoCoMo's p95 12-13 ms rose to 16-17). Not during the query's
-        embedding either: ONNX Runtime's threads take the cores then. A search that finds the
-        helper taken by another does both itself (searches never queue for it: concurrent
-        searches already share the cores). Inside a write transaction both stay on this
-        thread, whose connection sees the write."""
+        the GIL (numpy, SQLite, usearch's walk), so the search takes less than their sum.
+        The second dense key stays on this thread: on two cores a third thread has no core
+        to run on, and the walks are bound by memory (README, Scale: round 14). On a small
+        scope, where each takes a millisecond or two, handing over costs more than it saves
+        (LoCoMo's p95 12-13 ms rose to 16-17). Not during the query's embedding either: ONNX
+        Runtime's threads take the cores then. A search that finds the helper taken by another
+        does both itself (searches never queue for it: concurrent searches already share the
+        cores). Inside a write transaction both stay on this thread, whose connection sees
+        the write."""
         large = vector is not None and self._large(query) and not self._db.get().in_transaction
         if not (large and vector is not None and keys and terms
                 and self._helper_free.acquire(blocking=False)):
