@@ -522,9 +522,9 @@ def _instrument_pool(mem: Memory, acc: dict[str, float]) -> Callable[[], None]:
             inside.pool = False
             acc["pool"] += time.perf_counter() - t
 
-    def timed_batch(*a: Any, **kw: Any) -> Any:
-        if not getattr(inside, "pool", False) or batch is None:
-            return batch(*a, **kw) if batch is not None else None
+    def timed_batch(*a: Any, **kw: Any) -> Any:  # installed only where `_batch` exists
+        if not getattr(inside, "pool", False):
+            return batch(*a, **kw)
         inside.pool = False  # the first round trip only
         t = time.perf_counter()
         try:
