@@ -236,15 +236,28 @@ def test_the_top_skips_scoring_what_cannot_enter_it(
     assert sum(scored) < postings // 2
     assert got.tolist() == sorted(full.values(), reverse=True)[:20]
     assert all(full[d] == s for d, s in zip(docs.tolist(), got.tolist(), strict=True))
+    # a cut that asks for more phrases scores only the documents they bring, each once
+    rounds: list[np.ndarray] = []
+    monkeypatch.setattr(lex, "_accumulate", lambda score, docs, *a: (
+        rounds.append(docs.copy()), accumulate(score, docs, *a))[1])
+    again = 0
     for words in queries(rng, 60):
         words = [w for w in words if w != "o'neil's"]  # three tokens: FTS5 answers
         for owners in ([], sqlite_sql.owner_tokens(SCOPES[0])):
             full = everything(words, owners)
             for size in (1, 7, 40):
+                rounds.clear()
                 docs, got = lex.top(words, owners, size, 0.5)
                 want = sorted(full.values(), reverse=True)[:size]
                 assert got.tolist() == want
                 assert all(full[d] == s for d, s in zip(docs.tolist(), got.tolist(), strict=True))
+                n = len([w for w in words if lex.query_tokens.phrase(w)])  # a call each a round
+                assert len(rounds) % n == 0
+                for j in range(n):
+                    each = np.concatenate(rounds[j::n])
+                    assert len(np.unique(each)) == len(each)
+                again += len(rounds) > n
+    assert again  # some cuts took more than one round
 
 
 def test_visibility_kinds_and_filters_as_in_sql(store: SQLiteStore) -> None:

@@ -203,6 +203,7 @@ class Lexicon:
         self._norm: tuple[tuple[int, float, int], np.ndarray] | None = None
         self._score = np.zeros(0)
         self._hit = np.zeros(0, dtype=bool)
+        self._done = np.zeros(0, dtype=bool)
         self._tmp = np.zeros((3, 0))  # per posting of a term: f, numerator, denominator
 
     def close(self) -> None:
@@ -407,7 +408,6 @@ class Lexicon:
         everything = int(np.count_nonzero(mask & self.alive[:self.n])) == self.count
         self._scopes[key] = ((self.n, self.count), None if everything else mask)
         return None if everything else mask
-        return mask
 
     def top(self, terms: Sequence[str], owners: Sequence[str], size: int,
             previous_weight: float) -> tuple[np.ndarray, np.ndarray] | None:
@@ -419,9 +419,11 @@ class Lexicon:
         with the highest bounds holds scores at most the sum of the other phrases' bounds
         (`_bound`), so once the `size`-th best of the documents those phrases hold scores more
         than that, no other document can enter the top. The other phrases' postings are then
-        only looked up for those documents, not scored. A document's score is the very float
-        a full scoring gives (its terms added in query order); among documents tied at the
-        cut, which ones are returned may differ (as it may between FTS5 and this index)."""
+        only looked up for those documents, not scored. When the cut asks for more phrases,
+        the next round scores only the documents they bring (the others' scores stand). A
+        document's score is the very float a full scoring gives (its terms added in query
+        order); among documents tied at the cut, which ones are returned may differ (as it
+        may between FTS5 and this index)."""
         phrases = []
         for term in terms:
             p = self.query_tokens.phrase(term)
@@ -450,34 +452,49 @@ class Lexicon:
         for j in range(len(order) - 1, -1, -1):
             rest[j] = rest[j + 1] + posted[order[j]][4]
         if len(self._score) < self.n:
-            self._score, self._hit = np.zeros(self.n), np.zeros(self.n, dtype=bool)
-        score, hit = self._score, self._hit  # zero and False between searches
-        need = 1
-        while True:
-            chosen = set(order[:need])
-            for i in chosen:
-                hit[posted[i][0]] = True
-            found = np.flatnonzero(hit)
-            if len(found) < size and need < len(order):  # too few to cut: more phrases
+            self._score, self._hit, self._done = (np.zeros(self.n), np.zeros(self.n, dtype=bool),
+                                                  np.zeros(self.n, dtype=bool))
+        # zero and False between searches: a document's score, whether it is to be scored in
+        # this round, whether it was scored in an earlier one (its score then stands)
+        score, hit, done = self._score, self._hit, self._done
+        need, marked = 1, 0
+        found = np.zeros(0, dtype=np.int64)
+        try:
+            while True:
+                for i in order[marked:need]:
+                    hit[posted[i][0]] = True
+                marked = need
                 hit[found] = False
-                need += 1
-                continue
-            for i, (docs, body, ctx, idf, _) in enumerate(posted):  # in query order, as FTS5
-                if i not in chosen:
-                    m = hit[docs]
-                    docs, body, ctx = docs[m], body[m], ctx[m]
-                self._accumulate(score, docs, body, ctx, idf, previous_weight)
-            got = score[found]
-            score[found] = 0.0
-            hit[found] = False
-            cut = -np.partition(-got, size - 1)[size - 1] if len(found) >= size else None
-            if need == len(order) or (cut is not None and rest[need] < cut):
-                break
-            need += 1  # the fewest phrases whose outside stays below the cut
-            while cut is not None and need < len(order) and rest[need] >= cut:
-                need += 1
-        best = np.argpartition(-got, size - 1)[:size] if size < len(found) \
-            else np.arange(len(found))
+                new = np.flatnonzero(hit)
+                if len(found) + len(new) < size and need < len(order):  # too few to cut
+                    need += 1
+                    continue
+                # the new documents only, by every phrase in query order (as FTS5 adds them);
+                # in the first round every posting of the chosen phrases is a new document's
+                whole = set(order[:need]) if not len(found) else set()
+                for i, (docs, body, ctx, idf, _) in enumerate(posted):
+                    if i not in whole:
+                        m = hit[docs]
+                        docs, body, ctx = docs[m], body[m], ctx[m]
+                    self._accumulate(score, docs, body, ctx, idf, previous_weight)
+                hit[new] = False
+                done[new] = True
+                found = np.flatnonzero(done)  # ascending, as if all were scored at once
+                got = score[found]
+                part = np.argpartition(-got, size - 1) if len(found) > size else None
+                cut = got[part[size - 1]] if part is not None else \
+                    got.min() if len(found) == size else None
+                if need == len(order) or (cut is not None and rest[need] < cut):
+                    break
+                need += 1  # the fewest phrases whose outside stays below the cut
+                while cut is not None and need < len(order) and rest[need] >= cut:
+                    need += 1
+        except BaseException:
+            score[:], hit[:], done[:] = 0.0, False, False
+            raise
+        score[found] = 0.0
+        done[found] = False
+        best = part[:size] if part is not None else np.arange(len(found))
         best = best[np.argsort(-got[best], kind="stable")]
         return found[best], got[best]
 
