@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -132,6 +133,40 @@ def test_a_memory_the_index_misses_is_scored_from_the_pool(
     finally:
         store.close()
         exact.close()
+
+
+def test_the_cache_looks_up_ids_it_holds_and_skips_the_rest(
+        path: Path, filled: dict[str, list[str]]) -> None:
+    """A large scope's cache answers the pool's lookups by id (its candidates, what a query
+    may see, each id's cosine) for the ids it holds, live and in scope: an unknown id, another
+    scope's and a deleted memory are left out (and an expired one from what the query sees),
+    and the rest keep their order."""
+    store = SQLiteStore(path, ann_threshold=100)
+    try:
+        query = q("a")
+        probe = vectors(1, 9)[0]
+        store.dense(query, probe, 10)
+        slab, exact = store._slab(query, "text", DIM)
+        assert exact
+        mine = filled["a"][:40] + filled["a-facts"][:10]
+        gone, stale = mine[3], mine[7]
+        with store.write() as tx:
+            tx.soft_delete([gone], NOW)
+            old = store.get([stale])[stale]
+            tx.update(replace(old, expires_at=NOW))
+        slab, _ = store._slab(query, "text", DIM)
+        asked = ["nope", *mine, filled["b"][0]]
+        found, missing = slab.candidates(asked)
+        assert list(found) == [m for m in mine if m != gone]  # a deleted memory's row is dropped
+        assert missing == ["nope", gone, filled["b"][0]]
+        assert found[mine[0]].text == store.get([mine[0]])[mine[0]].text
+        assert slab.visible_ids(query, asked) == set(mine) - {gone, stale}
+        held = [m for m in mine if m != gone]  # scored: the pool's ids are visible already
+        rows = [int(slab.latest[slab._code[m]]) for m in held]
+        want = (slab.mat[rows] @ unit(probe)).tolist()
+        assert slab.cosines(asked, unit(probe)) == list(zip(held, want, strict=True))
+    finally:
+        store.close()
 
 
 def test_scopes_kinds_deletes_and_new_keys(path: Path, filled: dict[str, list[str]]) -> None:

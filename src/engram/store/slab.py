@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from itertools import compress, repeat
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -131,6 +132,11 @@ class Slab:
 
     def candidates(self, ids: Sequence[str]) -> tuple[dict[str, Candidate], list[str]]:
         """The cached `Candidate` of each id, and the ids it does not hold."""
+        rows = list(map(self.row_of.get, ids))
+        if None not in rows:
+            got = list(map(self.cands.__getitem__, cast(list[int], rows)))
+            if all(got):  # each held and built (the usual case): no Python step per id
+                return dict(zip(ids, got, strict=True)), []  # type: ignore[arg-type]
         found: dict[str, Candidate] = {}
         missing: list[str] = []
         cold: list[tuple[str, int]] = []
@@ -244,24 +250,22 @@ class Slab:
     def visible_ids(self, query: Query, ids: Sequence[str]) -> set[str]:
         """The ids (of memories) `query` may see, except for its metadata conditions, by the
         latest row of each (a rich slab); an id it does not hold is not visible."""
-        rows = [self.row_of.get(mid, -1) for mid in ids]
-        held = np.array(rows, dtype=np.int64)
+        held = np.fromiter(map(self.row_of.get, ids, repeat(-1)), np.int64, len(ids))
         mask = held >= 0
         mask[mask] = self.visible(query, held[mask])
-        return {mid for mid, ok in zip(ids, mask.tolist(), strict=True) if ok}
+        return set(compress(ids, mask.tolist()))
 
     def cosines(self, ids: Sequence[str], vector: np.ndarray) -> list[tuple[str, float]]:
         """The cosine of each id's latest live row with `vector` (a unit vector), for the ids
         the slab holds a live row of (a memory with several, `fact` keys: its latest, a lower
         bound of its best)."""
-        code, latest = self._code, self.latest
-        pairs = [(mid, c) for mid in ids if (c := code.get(mid)) is not None]
-        rows = latest[np.array([c for _, c in pairs], dtype=np.int64)] if pairs else latest[:0]
+        codes = np.fromiter(map(self._code.get, ids, repeat(-1)), np.int64, len(ids))
+        held = np.flatnonzero(codes >= 0)
+        rows = self.latest[codes[held]]
         live = rows >= 0
         live[live] = self.alive[rows[live]] & self.ok[rows[live]]
         sims = self.mat[rows[live]] @ vector
-        return list(zip([mid for (mid, _), good in zip(pairs, live.tolist(), strict=True) if good],
-                        sims.tolist(), strict=True))
+        return list(zip(map(ids.__getitem__, held[live].tolist()), sims.tolist(), strict=True))
 
     def first_per_memory(self, rows: np.ndarray) -> np.ndarray:
         """`rows` (best first) keeping each memory's first row only."""

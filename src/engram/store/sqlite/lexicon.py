@@ -42,6 +42,7 @@ import math
 import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ class Ranked:
 
     def visible(self, visible: Callable[[list[str]], set[str]]) -> list[tuple[str, float]]:
         seen = visible(self.ids)
-        return [(mid, s) for mid, s in zip(self.ids, self.scores, strict=True) if mid in seen]
+        return list(compress(zip(self.ids, self.scores, strict=True), map(seen.__contains__, self.ids)))
 
 
 Doc = tuple[int, str, str, str, str]  # (rid, memory id, body, context, owner) of a memory_fts row
@@ -563,4 +564,4 @@ class Lexicon:
         if found is None:
             return None
         docs, score = found
-        return Ranked([self.ids[d] for d in docs.tolist()], score.tolist(), len(docs) < size)
+        return Ranked(list(map(self.ids.__getitem__, docs.tolist())), score.tolist(), len(docs) < size)
