@@ -65,14 +65,17 @@ class PostgresStore(SQLStore):
                  statement_timeout_s: float | None = None, connect_timeout_s: float = 5.0,
                  max_connections: int = 10, pool_wait_s: float | None = None,
                  exact_limit: int = 2000, reclaim_mode: str = "vacuum",
-                 cache_limit: int = 20_000, cache_rows: int = 2_000_000) -> None:
+                 cache_limit: int = 100_000, cache_rows: int = 2_000_000) -> None:
         """`busy_timeout_s`: how long a write waits for a lock (`lock_timeout`) and, unless
         `pool_wait_s` says otherwise, for a free connection. `statement_timeout_s` defaults to
         max(60, 2 * busy_timeout_s). `exact_limit`: a dense search over at most this many
         visible keys is exact (a scan); above it the HNSW index answers (approximate).
         `reclaim_mode`: what `reclaim()` runs on the tables an erase touched: "vacuum", "full"
         (VACUUM FULL) or "none". `cache_limit`: a scope of at most this many keys is searched
-        from this process's cache of its vectors (exact); larger ones in the database."""
+        from this process's cache of its vectors (exact); larger ones in the database. Not
+        lower: the dimension's HNSW index spans every scope and tenant, and a walk filters as
+        it goes, so a scope that is a small share of the index pays for all the others' keys
+        (20 scopes of 25k memories: 9x slower in the database than from the cache)."""
         if not isinstance(tenant, str):
             raise InvalidInput("tenant must be a string")
         if reclaim_mode not in RECLAIM_MODES:
@@ -129,7 +132,7 @@ class PostgresStore(SQLStore):
                    connect_timeout_s=config.pg_connect_timeout_s,
                    max_connections=config.pg_pool_size, pool_wait_s=config.pg_pool_wait_s,
                    exact_limit=config.pg_exact_limit, reclaim_mode=config.pg_reclaim,
-                   cache_limit=config.ann_threshold, cache_rows=config.cache_rows)
+                   cache_limit=config.pg_cache_limit, cache_rows=config.cache_rows)
 
     # -- connections and transactions --------------------------------------------------------
 
