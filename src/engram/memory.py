@@ -549,13 +549,16 @@ class Memory:
 
     def export(self, path: str | Path, *, user_id: str | None = None,
                agent_id: str | None = None, session_id: str | None = None) -> int:
-        """Write a scope (every memory, deleted and superseded too, with history) as JSON lines."""
+        """Write everything a scope owns as JSON lines (docs/export.md): every memory, deleted
+        and superseded too, with history; its sessions; its owner's knowledge graph. Returns
+        how many memories."""
         return transfer.export(self._engine, Path(path), valid.scope(user_id, agent_id, session_id))
 
     def import_(self, path: str | Path,
                 progress: Callable[[int, int], None] | None = None) -> int:
         """Read an export back. All or nothing: the whole file is validated before any write.
 
-        Memories whose id already exists are skipped. Returns how many were imported.
+        Records whose id already exists are skipped. Returns how many memories were imported
+        (sessions and the graph come with them).
         """
         return transfer.import_(self._engine, Path(path), progress)
