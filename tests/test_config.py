@@ -1,5 +1,6 @@
 """Configuration is one object: only `Config.from_env` reads the environment, and every
-`ENGRAM_*` variable the code knows is documented in README's Configuration table."""
+`ENGRAM_*` variable the code knows is documented in the configuration page's table
+(docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,7 @@ SRC = ROOT / "src" / "engram"
 
 
 def _configuration_table() -> str:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index("## Configuration")
-    return readme[start:readme.index("\n## ", start + 1)]
+    return (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
 
 
 def test_every_engram_variable_is_documented() -> None:
