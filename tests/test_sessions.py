@@ -256,7 +256,7 @@ def test_end_writes_a_summary_episode_with_provenance_and_runs_extraction(
         mem: Memory, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[Scope, str]] = []
     monkeypatch.setattr("engram.pipeline.learn.learn_from",
-                        lambda engine, scope, task, limit: calls.append((scope, task.name)))
+                        lambda engine, scope, task, limit, fence=None: calls.append((scope, task.name)))
     s = mem.session(user_id="ana", session_id="s1", policy=Window(n=4))
     stored = s.add(chat(6))
     summary = s.end()

@@ -6,7 +6,8 @@
     │   └── InvalidImport     an export file that cannot be read back
     ├── NotFound              an unknown (or erased, or other-scope) memory id
     ├── Conflict              the request conflicts with what is stored (a superseded target)
-    │   └── KeyReused         an idempotency key reused with a different request
+    │   ├── KeyReused         an idempotency key reused with a different request
+    │   └── Erased            the scope was erased while the write ran: nothing was written
     ├── InProgress            the first request under an idempotency key is still running
     ├── StoreError            the database failed; the write did not happen
     │   ├── StoreBusy         the database stayed locked past the retry budget
@@ -61,6 +62,17 @@ class Conflict(EngramError):
 class KeyReused(Conflict):
     """An idempotency key already used for a different request; nothing was written (the
     service answers 422, as the IETF Idempotency-Key draft says)."""
+
+
+class Erased(Conflict):
+    """An erasure committed while this write was under way, and the write was begun before
+    it: nothing was written (an erasure is a fence; pipeline/fence.py). `covered`: the erasure
+    took the write's whole scope, and writing there again is the caller's decision; otherwise
+    it took part of what the write had read, and the same request can simply be made again."""
+
+    def __init__(self, message: str, *, covered: bool) -> None:
+        super().__init__(message)
+        self.covered = covered
 
 
 class InProgress(EngramError):

@@ -20,11 +20,20 @@ from typing import Any
 
 from . import redact
 from . import validate as valid
-from .errors import Conflict, EngramError, InProgress, InvalidInput, KeyReused, NotFound
+from .errors import (
+    Conflict,
+    EngramError,
+    Erased,
+    InProgress,
+    InvalidInput,
+    KeyReused,
+    NotFound,
+)
 from .model import AddResult, Job, JobStatus, Kind, Scope, new_id, utcnow
 from .pipeline import extract as extraction
 from .pipeline import learn, retention, write
 from .pipeline.engine import Engine
+from .pipeline.fence import Fence
 from .pipeline.write import AddRequest
 
 log = logging.getLogger("engram.memory")
@@ -32,6 +41,7 @@ log = logging.getLogger("engram.memory")
 JOB_LEASE_S = 300  # a claimed job whose worker died is run again after this
 RETRY_AFTER_S = 1.0  # the least a caller is asked to wait before asking again
 RETENTION_EVERY_S = 3600.0  # how often an idle worker enforces the retention policy
+FENCE_TRIES = 3  # an add a partial erasure fenced is run again, at most this many times in all
 
 
 def fingerprint(task: str, payload: Mapping[str, Any]) -> str:
@@ -55,10 +65,13 @@ class Queue:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add(self, req: AddRequest, key: str | None, background: bool) -> AddResult:
+    def add(self, req: AddRequest, key: str | None, background: bool,
+            fence: Fence | None = None) -> AddResult:
         """Run an add now (or queue it, `background`), at most once per idempotency `key`:
         a retry gets the first result; another request under the key is `KeyReused`; a retry
-        while the first is still queued or running is `InProgress`."""
+        while the first is still queued or running is `InProgress`. `fence`: what the caller
+        began under (else the add takes its own); an erasure of the scope since then is
+        `Erased`, and one of only a part of it (a memory, a session) runs the add again."""
         if background:
             # the payload holds the redacted request: the raw text is never in the jobs table
             total = req.redacted_total()
@@ -75,7 +88,9 @@ class Queue:
         # a failed earlier attempt under this key is done again, in its own job row
         job = failed or (None if key is None else self._row(req, key, fp))
         try:
-            result = write.add(self.engine, req, job=job)
+            result = self._add(req, job, fence)
+        except Erased:
+            raise
         except Conflict:  # another writer took the key meanwhile: its result is ours
             known, _ = self.replay(key or "", fp)
             if known is None:
@@ -83,6 +98,18 @@ class Queue:
             return known
         self._maybe_reflect(req)
         return result
+
+    def _add(self, req: AddRequest, job: Job | None, fence: Fence | None) -> AddResult:
+        """`write.add`, done again while a partial erasure fences it (what it read is gone)."""
+        for attempt in range(FENCE_TRIES):
+            try:
+                return write.add(self.engine, req, job=job, fence=fence)
+            except Erased as exc:
+                if exc.covered or attempt == FENCE_TRIES - 1:
+                    raise
+                fence = Fence.take(self.engine.store, req.scope) if fence is None else \
+                    replace(fence, seq=self.engine.store.erasure_seq())
+        raise AssertionError("unreachable")
 
     def enqueue(self, task: str, scope: Scope, payload: dict[str, Any], key: str | None) -> Job:
         fp = fingerprint(task, payload)
@@ -123,6 +150,8 @@ class Queue:
         job = replace(job, status=JobStatus.QUEUED, attempts=0, run_at=now, error=None,
                       lease_until=None, updated_at=now)
         with self.engine.store.write() as tx:
+            if self.engine.store.job(job.id) is None:  # erased since it was read
+                raise NotFound(f"no job with id {job.id!r}")
             tx.put_job(job)
         log.info("queued %s job %s again", job.task, job.id)
         self.start()
@@ -240,22 +269,30 @@ class Queue:
             log.warning("retention failed: %r", exc)
 
     def run(self, job: Job) -> None:
-        """Run one claimed job; it ends done, queued again (with backoff) or failed."""
+        """Run one claimed job; it ends done, queued again (with backoff) or failed. Its
+        writes and its final row commit only if no erasure took its scope since it began,
+        and only into its row as claimed: an erased job is gone, and stays gone."""
         store = self.engine.store
         req = None
+        # before anything is read: an erasure committed after this is seen by the final check
+        fence = Fence.take(store, job.scope, job)
         try:
             if job.task == "add":
                 # queued redacted; redacted again in case it was queued before redaction
                 # existed, or by a process with a weaker policy (idempotent otherwise)
                 req = AddRequest.from_payload(job.payload).with_policy(self.engine.config.redact)
                 job = replace(job, payload=req.payload())  # the row keeps what was stored
-                write.add(self.engine, req, job=job)
+                write.add(self.engine, req, job=job, fence=fence)
             else:
                 task = extraction.REFLECT if job.task == "reflect" else extraction.EXTRACT
-                result = learn.learn_from(self.engine, job.scope, task, job.payload.get("limit"))
+                result = learn.learn_from(self.engine, job.scope, task, job.payload.get("limit"),
+                                          fence)
                 with store.write() as tx:
-                    tx.put_job(replace(job, status=JobStatus.DONE, updated_at=utcnow(),
-                                       lease_until=None, result=write.summary(result)))
+                    fence.finish(tx, replace(job, status=JobStatus.DONE, updated_at=utcnow(),
+                                             lease_until=None, result=write.summary(result)))
+        except Erased as exc:
+            self._fenced(job, fence, exc)
+            return
         except Exception as exc:  # a job must end in a state, whatever went wrong
             now = utcnow()
             final = (isinstance(exc, InvalidInput | NotFound | Conflict)  # asking again cannot help
@@ -264,12 +301,30 @@ class Queue:
             retry = now + timedelta(seconds=min(2 ** job.attempts, 60))
             log.warning("job %s (%s) attempt %d failed: %r%s", job.id, job.task, job.attempts, exc,
                         "" if final else f"; retrying at {retry:%H:%M:%S}")
-            with store.write() as tx:
-                tx.put_job(replace(job, status=status, error=f"{type(exc).__name__}: {exc}",
-                                   run_at=retry, lease_until=None, updated_at=now))
+            try:
+                with store.write() as tx:
+                    fence.finish(tx, replace(job, status=status, run_at=retry, lease_until=None,
+                                             error=f"{type(exc).__name__}: {exc}", updated_at=now))
+            except Erased as gone:
+                log.info("job %s: %s", job.id, gone)
             return
         if req is not None:
             self._maybe_reflect(req)
+
+    def _fenced(self, job: Job, fence: Fence, exc: Erased) -> None:
+        """A job an erasure stopped: cancelled (its row is gone with its scope), or, when the
+        erasure took only part of what it read, queued to run again at once from what remains."""
+        if exc.covered:
+            log.info("job %s (%s) cancelled: %s", job.id, job.task, exc)
+            return
+        now = utcnow()
+        try:
+            with self.engine.store.write() as tx:
+                fence.finish(tx, replace(job, status=JobStatus.QUEUED, run_at=now,
+                                         lease_until=None, updated_at=now))
+            log.info("job %s (%s) runs again: %s", job.id, job.task, exc)
+        except Erased as gone:
+            log.info("job %s (%s) cancelled: %s", job.id, job.task, gone)
 
     def start(self) -> None:
         """Start the in-process worker thread if jobs run here and it is not running."""

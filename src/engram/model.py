@@ -170,12 +170,13 @@ class Receipt:
     jobs: int
     ids_sha256: str
     reason: str = ""
+    cancelled: int = 0           # of `jobs`, those still queued or running: they never write
 
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "at": self.at.isoformat(), "scope": self.scope.as_dict(),
                 "target": self.target, "memories": self.memories, "by_kind": dict(self.by_kind),
-                "sessions": self.sessions, "jobs": self.jobs, "ids_sha256": self.ids_sha256,
-                "reason": self.reason}
+                "sessions": self.sessions, "jobs": self.jobs, "cancelled": self.cancelled,
+                "ids_sha256": self.ids_sha256, "reason": self.reason}
 
     @classmethod
     def from_event(cls, e: Event) -> Receipt:
@@ -184,7 +185,20 @@ class Receipt:
         return cls(id=e.id, at=e.at, scope=e.scope, target=str(a.get("target", "")),
                    memories=int(a.get("memories", 0)), by_kind=dict(a.get("by_kind", {})),
                    sessions=int(a.get("sessions", 0)), jobs=int(a.get("jobs", 0)),
-                   ids_sha256=str(a.get("ids_sha256", "")), reason=e.reason or "")
+                   ids_sha256=str(a.get("ids_sha256", "")), reason=e.reason or "",
+                   cancelled=int(a.get("cancelled", 0)))
+
+
+@dataclass(frozen=True)
+class Erasure:
+    """The mark an erasure leaves for the writes already under way (pipeline/fence.py): its
+    scope, pseudonymous as in its receipt, what it took (`target`: scope | session | memory)
+    and when. `seq` orders the marks in commit order (0 before one is stored)."""
+
+    scope: Scope
+    target: str
+    at: datetime
+    seq: int = 0
 
 
 @dataclass(frozen=True)

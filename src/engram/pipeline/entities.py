@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from .. import redact as redaction
-from ..errors import InvalidInput, NotFound, ProviderError, StoreError
+from ..errors import Erased, InvalidInput, NotFound, ProviderError, StoreError
 from ..model import (
     Entity,
     EntityProfile,
@@ -39,6 +39,7 @@ from ..store import EntitySelect, RelationSelect, Store, Tx
 from . import extract as extraction
 from . import graph as g
 from .engine import Engine
+from .fence import Fence
 
 log = logging.getLogger("engram.memory")
 
@@ -289,10 +290,12 @@ def generate(llm: LLM, entity: Entity, relations: Sequence[Relation],
     return text
 
 
-def summarize(engine: Engine, ids: Iterable[str]) -> None:
+def summarize(engine: Engine, ids: Iterable[str], fence: Fence | None = None) -> None:
     """After a write, with `graph_summaries="llm"` and an LLM: regenerate the summaries of these
     entities that are not the caller's. A failed or unusable reply keeps the rules summary
-    (rewritten now, so an older LLM summary does not outlive the relations it described)."""
+    (rewritten now, so an older LLM summary does not outlive the relations it described).
+    Under the write's `fence`: after an erasure in its scope, no summary is written (one may
+    describe an erased relation)."""
     llm = engine.llm
     wanted = tuple(sorted({i for i in ids if i}))
     if llm is None or engine.config.graph_summaries != LLM_SUMMARY or not wanted:
@@ -308,17 +311,23 @@ def summarize(engine: Engine, ids: Iterable[str]) -> None:
         except ProviderError as exc:
             log.info("entity %s: LLM summary unavailable (%s)", e.id, exc)
             text = None
-        with store.write() as tx:
-            current = store.read_entities(EntitySelect(ids=(e.id,)))
-            if not current or current[0].summary_by == CALLER:
-                continue  # deleted, or the caller wrote one meanwhile
-            if text is None:
-                fallback = replace(current[0], summary_by=RULES)
-                tx.put_entity(fallback, g.name_keys(fallback.name, fallback.aliases))
-                refresh(store, tx, [e.id], now)
-            else:
-                done = replace(current[0], summary=text, summary_by=LLM_SUMMARY)
-                tx.put_entity(done, g.name_keys(done.name, done.aliases))
+        try:
+            with store.write() as tx:
+                if fence is not None:
+                    fence.hold(tx)
+                current = store.read_entities(EntitySelect(ids=(e.id,)))
+                if not current or current[0].summary_by == CALLER:
+                    continue  # deleted, or the caller wrote one meanwhile
+                if text is None:
+                    fallback = replace(current[0], summary_by=RULES)
+                    tx.put_entity(fallback, g.name_keys(fallback.name, fallback.aliases))
+                    refresh(store, tx, [e.id], now)
+                else:
+                    done = replace(current[0], summary=text, summary_by=LLM_SUMMARY)
+                    tx.put_entity(done, g.name_keys(done.name, done.aliases))
+        except Erased as exc:  # the write it follows is done: only the summaries are left out
+            log.info("entity summaries left out: %s", exc)
+            return
 
 
 def ends(relations: Iterable[Relation]) -> set[str]:

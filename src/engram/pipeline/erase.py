@@ -17,10 +17,10 @@ from dataclasses import replace
 
 from .. import validate as valid
 from ..errors import NotFound
-from ..model import Event, EventType, MemoryRecord, Receipt, Scope, new_id, utcnow
+from ..model import Event, EventType, Job, JobStatus, MemoryRecord, Receipt, Scope, new_id, utcnow
 from ..providers.embedders import forget_texts
 from ..store import Store, Tx
-from . import entities, retrieve
+from . import entities, fence, retrieve
 from .engine import Engine
 from .index import Keys, followers
 
@@ -54,7 +54,8 @@ def session(engine: Engine, scope: Scope) -> Receipt:
     store = engine.store
     ids = store.ids(scope, include_deleted=True)
     mine = [r.id for r in _records(store, ids).values() if r.scope == scope]
-    if not mine and store.session(scope) is None:
+    # a session whose first add is still queued has no row yet: it is its work
+    if not mine and store.session(scope) is None and not _jobs_of(store, scope):
         raise NotFound(f"no session {scope.session_id!r} in this scope")
     return _erase(engine, mine, scope, [], exact=True)
 
@@ -69,33 +70,39 @@ def _erase(engine: Engine, ids: list[str], scope: Scope, moved: list[tuple[Memor
     moved = [(r, keys) for r, keys in moved if r.id not in gone]
     kinds = Counter(r.kind.value for r in _records(store, ids).values())
     now = utcnow()
+    target = "memory" if single else "session" if exact else "scope"
     with store.write() as tx:
+        # The fence: a write begun before this one (a job, another process's add) checks
+        # this mark in its own transaction, and commits nothing into what was taken here.
+        fence.leave(tx, scope, target, now)
         tx.erase(ids)
         entities.erase(store, tx, ids, scope, whole=single is None and not exact)  # the graph
         for other, (own, lexical) in moved:
             tx.update(other, own, lexical)
+        # Reads in the transaction: a job queued a moment ago is counted and removed alike.
         if single is not None:
             if scope.session_id is not None:
                 reset_summaries(store, tx, scope)  # rebuilt from the messages that remain
-            jobs = _drop_jobs(store, tx, scope, gone, naming=True)
+            dropped = _drop_jobs(store, tx, scope, gone, naming=True)
             sessions = 0
         elif exact:
             sessions = int(store.session(scope) is not None)
             tx.delete_session(scope)
-            jobs = _drop_jobs(store, tx, scope, gone, naming=False)
+            dropped = _drop_jobs(store, tx, scope, gone, naming=False)
         else:
             sessions = len(store.sessions(scope, limit=JOBS_SCANNED))
-            jobs = len(store.jobs(scope, limit=JOBS_SCANNED))
+            dropped = store.jobs(scope, limit=JOBS_SCANNED)
             tx.erase_scope(scope)  # sessions (their summaries) and jobs (their payloads)
+        jobs = len(dropped)
+        cancelled = sum(j.status in (JobStatus.QUEUED, JobStatus.RUNNING) for j in dropped)
         reason = f"session deleted: {len(ids)} memories" if exact else f"erased {len(ids)} memories"
         # The record of a scope's erasure does not name whom it erased (a user id is often an
         # email address): its ids are hashed. One memory's ERASE keeps the memory's scope, so
         # its history stays readable in that scope only.
         kept = scope if single else valid.pseudonymous(scope)
-        receipt = Receipt(id=new_id(), at=now, scope=kept,
-                          target="memory" if single else "session" if exact else "scope",
-                          memories=len(ids), by_kind=dict(sorted(kinds.items())),
-                          sessions=sessions, jobs=jobs, ids_sha256=ids_digest(ids), reason=reason)
+        receipt = Receipt(id=new_id(), at=now, scope=kept, target=target, memories=len(ids),
+                          by_kind=dict(sorted(kinds.items())), sessions=sessions, jobs=jobs,
+                          cancelled=cancelled, ids_sha256=ids_digest(ids), reason=reason)
         tx.append(receipt_event(receipt, single))
     store.reclaim()
     # the process's caches keyed by text (ranking's, the embedder's LRU) hold no erased text
@@ -115,7 +122,8 @@ def ids_digest(ids: list[str]) -> str:
 def receipt_event(receipt: Receipt, memory_id: str | None) -> Event:
     """The ERASE event that keeps a receipt (its `after`: counts, never content)."""
     body = receipt.to_dict()
-    after = {k: body[k] for k in ("target", "memories", "by_kind", "sessions", "jobs", "ids_sha256")}
+    after = {k: body[k] for k in ("target", "memories", "by_kind", "sessions", "jobs",
+                                  "cancelled", "ids_sha256")}
     return Event(id=receipt.id, memory_id=memory_id, type=EventType.ERASE, at=receipt.at,
                  scope=receipt.scope, after=after, reason=receipt.reason)
 
@@ -162,16 +170,23 @@ def reset_summaries(store: Store, tx: Tx, scope: Scope) -> bool:
     return True
 
 
-def _drop_jobs(store: Store, tx: Tx, scope: Scope, erased: set[str], *, naming: bool) -> int:
+def _drop_jobs(store: Store, tx: Tx, scope: Scope, erased: set[str], *,
+               naming: bool) -> list[Job]:
     """Jobs keep their request (an add's messages) as payload: remove the rows of the jobs of
-    exactly `scope` (`naming=False`, a session), or of the jobs whose result names an erased
-    memory (its request held the text). The row goes, not only the payload: the job is
-    unknown afterwards (404), and its idempotency key is free for new work."""
-    doomed = [job.id for job in store.jobs(scope, limit=JOBS_SCANNED)
+    exactly `scope` (`naming=False`, a session: queued or running ones are cancelled), or of
+    the jobs whose result names an erased memory (its request held the text). The row goes,
+    not only the payload: the job is unknown afterwards (404), and its idempotency key is free
+    for new work. Returns the removed jobs."""
+    doomed = [job for job in store.jobs(scope, limit=JOBS_SCANNED)
               if (erased.intersection((job.result or {}).get("memories", [])) if naming
                   else job.scope == scope)]
-    tx.delete_jobs(doomed)
-    return len(doomed)
+    tx.delete_jobs([job.id for job in doomed])
+    return doomed
+
+
+def _jobs_of(store: Store, scope: Scope) -> list[Job]:
+    """The jobs of exactly `scope`."""
+    return [job for job in store.jobs(scope, limit=JOBS_SCANNED) if job.scope == scope]
 
 
 def _records(store: Store, ids: list[str]) -> dict[str, MemoryRecord]:

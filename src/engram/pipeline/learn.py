@@ -33,6 +33,7 @@ from ..store import Query, Tx
 from . import consolidate, entities
 from . import extract as extraction
 from .engine import Engine
+from .fence import Fence
 from .index import Keys, index, speaker_text
 from .read import ranked, visible
 from .text import content_hash
@@ -331,11 +332,15 @@ def apply(engine: Engine, tx: Tx, learned: Sequence[Learned],
     return stored, events
 
 
-def learn_from(engine: Engine, scope: Scope, task: extraction.Task, limit: int | None) -> AddResult:
+def learn_from(engine: Engine, scope: Scope, task: extraction.Task, limit: int | None,
+               fence: Fence | None = None) -> AddResult:
     """Run `task` over the stored episodes of a scope (the `limit` most recent ones), apart
-    from session summaries, scope by scope. No LLM: nothing to learn, and the notes say so."""
+    from session summaries, scope by scope. No LLM: nothing to learn, and the notes say so.
+    An erasure in the scope committed after it began (after `fence`) makes it raise `Erased`
+    with nothing written: what it learned may come from what was erased."""
     if engine.llm is None:
         return AddResult(memories=[], events=[], notes=("no LLM configured: nothing to learn",))
+    fence = fence or Fence.take(engine.store, scope)
     now = utcnow()
     q = Query(scope=scope, now=now, kinds=(Kind.EPISODIC,))
     episodes: list[MemoryRecord] = []
@@ -357,9 +362,10 @@ def learn_from(engine: Engine, scope: Scope, task: extraction.Task, limit: int |
     learned = [item for s, eps in by_scope.items()
                for item in learn(engine, eps, s, task, now, notes, graph)]
     with engine.store.write() as tx:
+        fence.hold(tx)
         stored, events = apply(engine, tx, learned, now)
         related = apply_graph(engine, tx, graph)
-    entities.summarize(engine, entities.ends(related))  # with graph_summaries="llm" only
+    entities.summarize(engine, entities.ends(related), fence)  # graph_summaries="llm" only
     total = redaction.add_counts(*(item.redacted for item in learned))
     said = redaction.describe(total)
     return AddResult(memories=stored, events=events,

@@ -36,6 +36,7 @@ from ..store import Key, Query, Tx
 from . import consolidate, entities, forget, learn
 from . import extract as extraction
 from .engine import Engine
+from .fence import Fence
 from .index import followers, index, reindex
 from .read import visible
 from .text import content_hash
@@ -170,12 +171,17 @@ def summary(result: AddResult) -> dict[str, Any]:
             **({"redacted": dict(result.redacted)} if result.redacted else {})}
 
 
-def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult:
+def add(engine: Engine, req: AddRequest, *, job: Job | None = None,
+        fence: Fence | None = None) -> AddResult:
     """Store the request's messages (episodes) or facts; with an LLM and `infer`, learn from
     the episodes, and check given facts against the known ones. `req.supersedes` closes the
     memories the new one replaces, in the same transaction. `job`, when given, is marked done
     with the result in the same transaction: a retried request finds either nothing or the
-    whole result."""
+    whole result (a job a worker claimed: `fence.job`, whose row must still be there).
+
+    An erasure of the scope committed after the add began (after `fence` was taken) makes it
+    raise `Erased` with nothing written."""
+    fence = fence or Fence.take(engine.store, req.scope)
     now = utcnow()
     records = [record(m, req, now) for m in req.messages]
     redacted = {r.id: req.redactions(i) for i, r in enumerate(records) if req.redactions(i)}
@@ -208,6 +214,7 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
     cfg = engine.config
     speakers = entities.prepare(engine, records)  # the knowledge graph: model time first
     with store.write() as tx:
+        fence.hold(tx)  # first: nothing below runs if the scope was erased meanwhile
         # Reads first (neighbours for consolidation), writes after.
         near = {r.id: neighbours(engine, r, keys[r.id][0][0].vector, now)
                 for r in records if r.kind is not Kind.EPISODIC and not req.supersedes}
@@ -287,9 +294,13 @@ def add(engine: Engine, req: AddRequest, *, job: Job | None = None) -> AddResult
         result = AddResult(memories=stored, events=events,
                            notes=(said, *notes) if said else tuple(notes), redacted=total)
         if job is not None:
-            tx.put_job(replace(job, status=JobStatus.DONE, result=summary(result), error=None,
-                               updated_at=now, lease_until=None))
-    entities.summarize(engine, entities.ends(related))  # with graph_summaries="llm" only
+            finished = replace(job, status=JobStatus.DONE, result=summary(result), error=None,
+                               updated_at=now, lease_until=None)
+            if fence.job is not None:
+                fence.finish(tx, finished)
+            else:
+                tx.put_job(finished)
+    entities.summarize(engine, entities.ends(related), fence)  # graph_summaries="llm" only
     return result
 
 

@@ -5,8 +5,8 @@ Reads take a value (`Query`, `Select`) that each backend compiles to its own SQL
 inside `write()`, one transaction that either commits whole or leaves nothing. Everything else
 (consolidation, ranking, forgetting) lives above the store.
 
-A backend implements 17 primitives (`write`, `close`, `migrations`, `read_memories`,
-`read_ids`, `candidates`, `dense`, `lexical`, `events`, `events_of`, `count_events`,
+A backend implements 18 primitives (`write`, `close`, `migrations`, `read_memories`,
+`read_ids`, `candidates`, `dense`, `key_vectors`, `lexical`, `events`, `events_of`, `count_events`,
 `read_jobs`, `claim_job`, `read_sessions`, `stats`, `touch`, `reclaim`) and 8 of the knowledge
 graph (`read_entities`, `match_names`, `entity_embeddings`, `read_relations`, `read_mentions`,
 `mention_counts`, `neighbours`, `find_path`) and `space` (the embedding space), and inherits
@@ -33,6 +33,7 @@ import numpy as np
 from ..filters import Condition
 from ..model import (
     Entity,
+    Erasure,
     Event,
     Job,
     JobStatus,
@@ -260,6 +261,19 @@ class Tx(Protocol):
         """Insert or replace a job (by id). A new job whose `key` is already taken raises
         `Conflict`: callers look the key up first (`Store.job_by_key`) in the same transaction."""
 
+    def finish_job(self, job: Job) -> bool:
+        """Replace the row of a job a worker claimed (`job.attempts` is the claim's): only if
+        the row is still running under that claim. False when it is gone (an erasure cancelled
+        the job) or another worker took it after the lease ran out: nothing was written."""
+
+    def put_erasure(self, erasure: Erasure, *, forget_before: datetime) -> None:
+        """Record an erasure's mark (the fence later writes check), numbered after every mark
+        before it; marks older than `forget_before` are dropped."""
+
+    def erasures(self, after: int) -> list[Erasure]:
+        """The erasure marks numbered above `after`, in order: read inside the transaction, so
+        the fence check and the write it guards see the same commits."""
+
     def put_session(self, session: Session) -> None:
         """Insert or replace the session of `session.scope` (user_id, agent_id, session_id)."""
 
@@ -349,6 +363,10 @@ class Store(Protocol):
               key: str = "text") -> list[tuple[str, float]]:
         """Visible memories by cosine of their `key` vector, highest first."""
 
+    def key_vectors(self, ids: Sequence[str], key: str) -> dict[str, np.ndarray]:
+        """Each memory's vectors of the key name `key` (rows in the order they were written),
+        for those of `ids` that have any: which of its passages a hit was found by."""
+
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
         """Visible memories matching any of `terms` by BM25 (higher is better), the
@@ -409,6 +427,9 @@ class Store(Protocol):
         """Atomically take the oldest runnable job: queued with `run_at <= now`, or running
         with an expired lease (its worker died). It becomes running until `lease_until`, with
         `attempts` + 1. Two workers never claim the same job."""
+
+    def erasure_seq(self) -> int:
+        """The number of the latest erasure mark (0 when none): what a write begins under."""
 
     # -- sessions ------------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Any, Literal, NamedTuple
 
 from ..filters import Condition
-from ..model import Event, EventType, Job, JobStatus, Kind, MemoryRecord, Scope, Session
+from ..model import Erasure, Event, EventType, Job, JobStatus, Kind, MemoryRecord, Scope, Session
 from .base import Candidate, Query, Seen, Select
 
 Stmt = tuple[str, list[Any]]
@@ -328,6 +328,46 @@ def read_job(d: Dialect, row: Sequence[Any]) -> Job:
                run_at=d.read_time(run_at), lease_until=d.opt_read_time(lease_until),
                result=None if result is None else d.read_json(result), error=error,
                created_at=d.read_time(created), updated_at=d.read_time(updated))
+
+
+def finish_job(d: Dialect, tenant: str, j: Job) -> Stmt:
+    """Replace a claimed job's row, only while it is running under the same claim."""
+    names = ("payload", "status", "run_at", "lease_until", "result", "error", "updated_at")
+    values = [d.json(j.payload), j.status.value, d.time(j.run_at), d.opt_time(j.lease_until),
+              d.opt_json(j.result), j.error, d.time(j.updated_at)]
+    w = Where(d, tenant, "jobs").add(f"jobs.id = {d.mark}", j.id)
+    w.add(f"jobs.attempts = {d.mark}", j.attempts).add("jobs.status = 'running'")
+    sets = ", ".join(f"{c} = {d.mark}" for c in names)
+    return f"UPDATE jobs SET {sets} WHERE {w.sql} RETURNING jobs.id", [*values, *w.params]
+
+
+# -- erasure marks (pipeline/fence.py) --------------------------------------------------------------
+
+ERASURE_COLUMNS = ("user_id", "agent_id", "session_id", "target", "at")
+
+
+def put_erasure(d: Dialect, tenant: str, e: Erasure, forget_before: datetime) -> list[Stmt]:
+    old = Where(d, tenant).add(f"m.at < {d.mark}", d.time(forget_before))
+    s = e.scope
+    return [(f"DELETE FROM erasures AS m WHERE {old.sql}", old.params),
+            _insert(d, tenant, "erasures", ERASURE_COLUMNS,
+                    [s.user_id, s.agent_id, s.session_id, e.target, d.time(e.at)])]
+
+
+def erasure_seq(d: Dialect, tenant: str) -> Stmt:
+    w = Where(d, tenant)
+    return f"SELECT coalesce(max(m.seq), 0) FROM erasures m WHERE {w.sql}", w.params
+
+
+def select_erasures(d: Dialect, tenant: str, after: int) -> Stmt:
+    w = Where(d, tenant).add(f"m.seq > {d.mark}", after)
+    return (f"SELECT m.seq, {columns('m', ERASURE_COLUMNS)} FROM erasures m WHERE {w.sql} "
+            "ORDER BY m.seq", w.params)
+
+
+def read_erasure(d: Dialect, row: Sequence[Any]) -> Erasure:
+    seq, uid, aid, sid, target, at = row
+    return Erasure(scope=Scope(uid, aid, sid), target=target, at=d.read_time(at), seq=int(seq))
 
 
 # -- sessions ---------------------------------------------------------------------------------------

@@ -17,7 +17,18 @@ from typing import Any
 import numpy as np
 
 from ..errors import Conflict
-from ..model import Entity, Event, Job, MemoryRecord, Mention, Relation, Scope, Session, utcnow
+from ..model import (
+    Entity,
+    Erasure,
+    Event,
+    Job,
+    MemoryRecord,
+    Mention,
+    Relation,
+    Scope,
+    Session,
+    utcnow,
+)
 from . import graph as g
 from . import records as r
 from .base import (
@@ -103,6 +114,10 @@ class SQLStore(StoreBase):
         d = self.dialect
         stmt = r.select_jobs(d, self.tenant, id=id, key=key, scope=scope, status=status, limit=limit)
         return [r.read_job(d, row) for row in self._read(*stmt)]
+
+    def erasure_seq(self) -> int:
+        ((seq,),) = self._read(*r.erasure_seq(self.dialect, self.tenant))
+        return int(seq)
 
     def read_sessions(self, scope: Scope, *, exact: bool, limit: int) -> list[Session]:
         d = self.dialect
@@ -217,6 +232,17 @@ class SQLTx:
                 self._exec(*r.upsert_job(self.dialect, self.tenant, job))
         except self.unique_violation as exc:
             raise Conflict(f"idempotency key {job.key!r} is already used by another job") from exc
+
+    def finish_job(self, job: Job) -> bool:
+        return bool(self._rows(*r.finish_job(self.dialect, self.tenant, job)))
+
+    def put_erasure(self, erasure: Erasure, *, forget_before: datetime) -> None:
+        for stmt in r.put_erasure(self.dialect, self.tenant, erasure, forget_before):
+            self._exec(*stmt)
+
+    def erasures(self, after: int) -> list[Erasure]:
+        d = self.dialect
+        return [r.read_erasure(d, row) for row in self._rows(*r.select_erasures(d, self.tenant, after))]
 
     def put_session(self, session: Session) -> None:
         self._exec(*r.upsert_session(self.dialect, self.tenant, session))

@@ -15,11 +15,12 @@ from datetime import datetime
 from typing import Any
 
 from .. import validate as valid
-from ..errors import InvalidInput, ProviderError
+from ..errors import Erased, InvalidInput, ProviderError
 from ..jobs import Queue
 from ..model import EventType, Kind, MemoryRecord, Scope, Session, event, new_id, utcnow
 from ..pipeline import erase, learn
 from ..pipeline import extract as extraction
+from ..pipeline.fence import Fence
 from ..pipeline.index import index
 from ..pipeline.learn import SUMMARY_MARK
 from ..pipeline.text import content_hash
@@ -231,8 +232,11 @@ class SessionHandle:
             infer=False, kind=None, importance=None, expires_at=None,
             max_text_chars=self._engine.config.max_text_chars,
             redact=self._engine.config.redact)  # tool calls in the metadata too
-        result = self._queue.add(req, key=None, background=False)
+        fence = Fence.take(self._engine.store, self.scope)
+        result = self._queue.add(req, key=None, background=False, fence=fence)
         with self._engine.store.write() as tx:
+            # deleted since the add began: its messages went with it, and so does its row
+            fence.hold(tx, reads=False)
             row = self._engine.store.session(self.scope)
             if row is None:
                 row = Session(scope=self.scope, policy=self._policy.to_dict(), created_at=now,
@@ -304,6 +308,7 @@ class SessionHandle:
         store = self._engine.store
         done = 0
         while True:
+            fence = Fence.take(store, self.scope)
             row = store.session(self.scope)
             if row is None:
                 return done
@@ -314,15 +319,19 @@ class SessionHandle:
                 return done
             text, mode = self._summarize(fold, self._max_tokens())
             after = apply_fold(digests, fold, text)
-            with store.write() as tx:
-                now = store.session(self.scope)
-                if now is None:
-                    return done  # deleted meanwhile
-                if (now.summary_upto, now.summary, now.state) != (row.summary_upto, row.summary,
-                                                                   row.state):
-                    continue  # another writer moved the summaries: plan again from theirs
-                tx.put_session(replace(now, summary=after.summary, summary_upto=after.upto,
-                                       state={**now.state, **after.state(), "mode": mode}))
+            try:
+                with store.write() as tx:
+                    now = store.session(self.scope)
+                    if now is None:
+                        return done  # deleted meanwhile
+                    fence.hold(tx)  # a message erased meanwhile: its summary is not written
+                    if (now.summary_upto, now.summary, now.state) != (
+                            row.summary_upto, row.summary, row.state):
+                        continue  # another writer moved the summaries: plan again from theirs
+                    tx.put_session(replace(now, summary=after.summary, summary_upto=after.upto,
+                                           state={**now.state, **after.state(), "mode": mode}))
+            except Erased:
+                continue  # plan again from what remains
             done += 1
             log.info("session %s: folded %d messages (%s, level %d)", self.id, fold.count, mode,
                      fold.level)
@@ -347,6 +356,7 @@ class SessionHandle:
         """
         self.wait()
         store = self._engine.store
+        fence = Fence.take(store, self.scope)
         row = store.session(self.scope)
         if row is None:
             return None
@@ -366,11 +376,11 @@ class SessionHandle:
         text, mode = self._summarize(Fold(0, digests.summary, pending, lower), END_SUMMARY_TOKENS)
         if not text.strip():
             text = "\n".join(m.text for m in pending)[:2000] or "(empty session)"
-        self._extract()  # first: what the session said, not its summary
-        return self._write_summary(row, records, text, mode)
+        self._extract(fence)  # first: what the session said, not its summary
+        return self._write_summary(row, records, text, mode, fence)
 
     def _write_summary(self, row: Session, records: list[MemoryRecord], text: str,
-                       mode: str) -> MemoryRecord:
+                       mode: str, fence: Fence) -> MemoryRecord:
         store = self._engine.store
         now = utcnow()
         first, last = records[0], records[-1]
@@ -385,6 +395,7 @@ class SessionHandle:
         keys, lexical = index(self._engine, [rec])[rec.id]
         previous_id = row.state.get("summary_id")
         with store.write() as tx:
+            fence.hold(tx)  # deleted, or a message erased, since `end` began: no summary
             tx.insert(rec, keys, lexical)
             tx.append(event(EventType.ADD, rec, now, after=rec, reason="end of session summary"))
             old = store.get([previous_id]).get(previous_id) if previous_id else None
@@ -400,9 +411,9 @@ class SessionHandle:
                  len(records), mode)
         return rec
 
-    def _extract(self) -> None:
+    def _extract(self, fence: Fence) -> None:
         try:
-            learn.learn_from(self._engine, self.scope, extraction.EXTRACT, None)
+            learn.learn_from(self._engine, self.scope, extraction.EXTRACT, None, fence)
         except ProviderError as exc:
             log.warning("session %s: extraction failed, the episodes are kept: %s", self.id, exc)
 

@@ -35,7 +35,7 @@ TOMBSTONES_SETTING = "engram.tombstones_kept"  # a database or role may set anot
 # Tables whose rows belong to a tenant: each gets the tenant policy below.
 TENANT_TABLES = ("memories", "memory_keys", "events", "meta", "jobs", "sessions", "lex_stats",
                  "lex_terms", "entities", "entity_names", "relations", "mentions", "embedding_space",
-                 "key_tombstones")
+                 "key_tombstones", "erasures")
 _GRAPH_TABLES = ("entities", "entity_names", "relations", "mentions")
 # The columns of `memories` the dense cache holds (visibility, then ranking: CANDIDATE_COLUMNS)
 _CACHED_COLUMNS = ("deleted_at", "expires_at", "valid_from", "valid_to", "kind", "user_id",
@@ -361,6 +361,19 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
                 END IF;
             END LOOP;
             RETURN NULL; END $$""",
+    ]),
+    # The mark each erasure leaves in its own transaction, which a write begun before it
+    # checks in its own (pipeline/fence.py). Erasures of one tenant take the tenant's turn,
+    # so its marks are numbered in commit order.
+    ("0008_erasure_marks", [
+        f"""CREATE TABLE erasures (
+            tenant {TEXT} NOT NULL,
+            seq bigint GENERATED ALWAYS AS IDENTITY,
+            user_id {TEXT}, agent_id {TEXT}, session_id {TEXT},
+            target {TEXT} NOT NULL,
+            at timestamptz NOT NULL,
+            PRIMARY KEY (tenant, seq))""",
+        *_tenant_policy("erasures"),
     ]),
 ]
 

@@ -204,6 +204,16 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
         "CREATE TRIGGER memories_erased_slabs AFTER DELETE ON memories BEGIN "
         "UPDATE meta SET value = 0 WHERE name GLOB 'slab_file:*' AND value <> 0; END",
     ]),
+    # The mark each erasure leaves in its own transaction, which a write begun before it
+    # checks in its own (pipeline/fence.py). AUTOINCREMENT: a number is never given twice,
+    # even after the oldest marks are dropped.
+    ("0008_erasure_marks", [
+        """CREATE TABLE erasures (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            user_id TEXT, agent_id TEXT, session_id TEXT,
+            target TEXT NOT NULL,
+            at REAL NOT NULL)""",
+    ]),
 ]
 
 
