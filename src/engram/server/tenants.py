@@ -99,9 +99,12 @@ def private_file(path: Path) -> None:
     """Create a database file readable by its owner only (0600), whatever the umask: SQLite
     gives its -wal and -shm files the mode of the database file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
-        os.chmod(path, 0o600)
+    try:  # O_EXCL: a file that exists (perhaps open here through SQLite) is never opened
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.fchmod(fd, 0o600)
+    os.close(fd)
 
 
 class Tenants:

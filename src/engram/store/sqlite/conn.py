@@ -11,6 +11,7 @@ import os
 import sqlite3
 import threading
 import time
+import urllib.parse
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
@@ -50,17 +51,46 @@ def cipher() -> ModuleType:
 
 
 def header(path: Path) -> bytes:
-    """The first 16 bytes of the file (b"" when it does not exist yet, or cannot be read:
-    opening it then fails with the driver's own error)."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(16)
-    except OSError:
+    """The first 16 bytes of the database file: SQLite's magic string, or SQLCipher's salt
+    (b"" when the file does not exist yet or is shorter). Read through SQLite, never with
+    `open()`: see `_salted`."""
+    if not _sized(path):
         return b""
+    with closing(cipher().connect(_uri(path), uri=True, isolation_level=None,
+                                  check_same_thread=False)) as conn:
+        conn.execute("PRAGMA cipher_log_level = NONE")
+        return _salted(conn, "any key: only the header is read")
 
 
 def is_plain(path: Path) -> bool:
     return header(path) == PLAIN_HEADER
+
+
+def _sized(path: Path) -> bool:
+    """Does the file hold at least a header? A `stat`, which opens nothing."""
+    try:
+        return path.stat().st_size >= 16
+    except OSError:
+        return False
+
+
+def _uri(path: Path, mode: str = "rw") -> str:
+    return f"file:{urllib.parse.quote(str(path))}?mode={mode}"
+
+
+def _salted(conn: sqlite3.Connection, key: str) -> bytes:
+    """The file's first 16 bytes, read by SQLCipher once `PRAGMA key` is set (lazily: nothing
+    is derived or decrypted until a page is read, and a later `PRAGMA key` replaces it).
+
+    Only SQLite may open a database file in this process. On POSIX, closing any descriptor of
+    a file drops every lock the process holds on it, the SHARED lock that marks the WAL as in
+    use among them; another process closing the database then believes it is the last one,
+    checkpoints and deletes the live WAL, and later commits go into a deleted file
+    (https://sqlite.org/howtocorrupt.html, 2.2). SQLite itself defers closing a descriptor
+    while its other connections hold locks on the file."""
+    conn.execute(f"PRAGMA key = {quote(key)}")
+    row = conn.execute("PRAGMA cipher_salt").fetchone()
+    return bytes.fromhex(row[0]) if row and row[0] else b""
 
 
 def is_busy(exc: Exception) -> bool:
@@ -76,25 +106,36 @@ def connect(path: Path | str, key: str | None, *, timeout: float = 5.0,
             uri: bool = False) -> sqlite3.Connection:
     """One connection to `path` (plain without a key, SQLCipher with one), checked: a wrong or
     missing key raises `EncryptionError` before anything is read or written."""
-    file = Path(str(path).removeprefix("file:").partition("?")[0]) if uri else Path(path)
-    head = header(file)
+    file = Path(urllib.parse.unquote(str(path).removeprefix("file:").partition("?")[0])) \
+        if uri else Path(path)
     if key is None:
-        if head and len(head) == 16 and head != PLAIN_HEADER:
-            raise EncryptionError(f"{file} is encrypted (or is not an SQLite database): {KEY_HINT}")
-        return sqlite3.connect(path, timeout=timeout, isolation_level=None,
+        conn = sqlite3.connect(path, timeout=timeout, isolation_level=None,
                                check_same_thread=False, uri=uri)
-    if head == PLAIN_HEADER:
-        raise EncryptionError(f"{file} is not encrypted but an encryption key is set: "
-                              f"`engram encrypt` encrypts it in place (after a backup)")
-    driver = cipher()
-    conn = cast(sqlite3.Connection, driver.connect(str(path), timeout=timeout, isolation_level=None,
-                                                   check_same_thread=False, uri=uri))
+        try:
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            if "not a database" in str(exc) and not (_sqlcipher and is_plain(file)):
+                raise EncryptionError(f"{file} is encrypted (or is not an SQLite database): "
+                                      f"{KEY_HINT}") from None
+            raise  # a damaged plain file: the driver's own error
+        return conn
+    conn = cast(sqlite3.Connection, cipher().connect(str(path), timeout=timeout,
+                                                     isolation_level=None,
+                                                     check_same_thread=False, uri=uri))
     try:
         conn.execute("PRAGMA cipher_log_level = NONE")  # a wrong key is our error, not stderr noise
+        head = _salted(conn, key) if _sized(file) else b""
+        if head == PLAIN_HEADER:
+            raise EncryptionError(f"{file} is not encrypted but an encryption key is set: "
+                                  f"`engram encrypt` encrypts it in place (after a backup)")
         conn.execute(f"PRAGMA key = {key_literal(key, head)}")
         conn.execute("SELECT count(*) FROM sqlite_master").fetchall()
         # temporary tables and sort files stay in memory, never in plain temp files
         conn.execute("PRAGMA temp_store = MEMORY")
+    except EncryptionError:
+        conn.close()
+        raise
     except DB_ERRORS as exc:
         conn.close()
         if "not a database" in str(exc):
