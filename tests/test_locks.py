@@ -116,9 +116,10 @@ def serving(db: Path, env: dict[str, str]) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with subprocess.Popen([sys.executable, "-m", "engram.cli", "serve", "--db", str(db),
-                           "--port", str(port), "--rate", "100000", "--burst", "100000"], env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True) as proc:
+    cmd = [sys.executable, "-m", "engram.cli", "serve", "--db", str(db), "--port", str(port),
+           "--rate", "100000", "--burst", "100000"]
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True) as proc:
         yield from _until_killed(proc, f"http://127.0.0.1:{port}")
 
 
