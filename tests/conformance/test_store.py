@@ -358,6 +358,38 @@ def test_dense_on_an_empty_store(store: Store) -> None:
     assert store.dense(q(), vec(1, 0), 3) == []
 
 
+def test_dense_scores_a_memory_by_its_best_key_of_several(store: Store) -> None:
+    # a long text's `passage` keys: several of one name per memory, its best one counts
+    a, b = rec("a long text"), rec("another")
+    passages_a = [vec(0, 1), vec(0, 0, 1), vec(0, 0, 0, 1)]
+    with store.write() as tx:
+        tx.insert(a, [Key("text", vec(1, 0)), *[Key("passage", v) for v in passages_a]],
+                  Lexical(a.text))
+        tx.insert(b, [Key("text", vec(0, 0, 1)), Key("passage", vec(0, 0, 1, 1))],
+                  Lexical(b.text))
+    hits = store.dense(q(), vec(0, 0, 1), 10, key="passage")
+    assert [m for m, _ in hits] == [a.id, b.id]
+    assert [s for _, s in hits] == pytest.approx([1.0, float(vec(0, 0, 1, 1) @ vec(0, 0, 1))],
+                                                 abs=1e-5)
+    assert [m for m, _ in store.dense(q(), vec(0, 0, 1), 10)] == [b.id, a.id]  # text apart
+    found = store.key_vectors([a.id, b.id, "unknown"], "passage")
+    assert set(found) == {a.id, b.id}
+    assert found[a.id] == pytest.approx(np.stack(passages_a), abs=1e-6)  # in written order
+    assert store.key_vectors([a.id], "window") == {}
+    with store.write() as tx:  # new keys replace all of the old ones
+        tx.update(a, [Key("text", vec(1, 0)), Key("passage", vec(0, 1, 1))], None)
+    assert store.key_vectors([a.id], "passage")[a.id] == pytest.approx(
+        vec(0, 1, 1)[None, :], abs=1e-6)
+    assert [m for m, _ in store.dense(q(), vec(0, 1, 1), 10, key="passage")] == [a.id, b.id]
+    assert dict(store.dense(q(), vec(0, 0, 0, 1), 10, key="passage"))[a.id] == pytest.approx(
+        0.0, abs=1e-5)
+    with store.write() as tx:
+        tx.soft_delete([b.id], NOW)
+        tx.erase([a.id])
+    assert store.dense(q(), vec(0, 0, 1), 10, key="passage") == []
+    assert store.key_vectors([a.id, b.id], "passage") == {}
+
+
 # -- lexical ---------------------------------------------------------------------------------
 
 def test_lexical_bm25_with_stemming(store: Store) -> None:

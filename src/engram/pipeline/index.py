@@ -1,4 +1,5 @@
-"""Indexing: how a memory is found again, its retrieval keys (text, window) and lexical document.
+"""Indexing: how a memory is found again, its retrieval keys (text, window, passages) and lexical
+document.
 
 Calls the embedder, never inside a transaction. An episode's window holds the turns before it,
 so editing or removing a turn re-indexes the turns after it (`followers`).
@@ -12,6 +13,7 @@ import numpy as np
 
 from ..model import Kind, MemoryRecord, Scope
 from ..store import Key, Lexical
+from . import passages
 from .engine import Engine
 
 WINDOW = 3  # turns in an episode's `window` key: itself and the two before it
@@ -37,12 +39,17 @@ def index(engine: Engine, records: Sequence[MemoryRecord],
 
     The window key costs no forward pass of its own: it is made from the turn vectors
     (`window_vector`), so each text is embedded once (the earlier turns of a first record
-    are embedded again, at most WINDOW - 1 per scope and call).
+    are embedded again, at most WINDOW - 1 per scope and call). A text longer than the
+    embedder's window also gets a `passage` key per window past the first (passages.py),
+    embedded in the same batch.
     """
     texts: dict[str, int] = {}  # speaker text -> row; a text repeated in a batch is embedded once
 
+    def row_of(text: str) -> int:
+        return texts.setdefault(text, len(texts))
+
     def row(rec: MemoryRecord) -> int:
-        return texts.setdefault(speaker_text(rec), len(texts))
+        return row_of(speaker_text(rec))
 
     plan: dict[str, tuple[list[int], Lexical]] = {}  # id -> rows (own last), lexical
     history = {} if history is None else history  # the last turns seen, per scope
@@ -57,10 +64,13 @@ def index(engine: Engine, records: Sequence[MemoryRecord],
         plan[rec.id] = ([*map(row, before), row(rec)],
                         Lexical(own, speaker_text(before[-1]) if before else ""))
         history[rec.scope] = [*before, rec]
+    extra = {mid: list(map(row_of, found))
+             for mid, found in passages.of(engine.embedder, records).items()}
     vectors = engine.embedder.embed_batch(list(texts))
     words = np.array([max(1, len(t.split())) for t in texts], dtype=np.float32)
     return {mid: ([Key("text", vectors[rows[-1]]),
-                   Key("window", window_vector(vectors[rows], words[rows]))], lex)
+                   Key("window", window_vector(vectors[rows], words[rows])),
+                   *[Key(passages.KEY, vectors[i]) for i in extra.get(mid, ())]], lex)
             for mid, (rows, lex) in plan.items()}
 
 

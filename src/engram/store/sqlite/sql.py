@@ -155,5 +155,11 @@ def key_attrs(scope: Scope, key_name: str, upto_seq: int, rich: bool = False) ->
             f"FROM memory_keys k JOIN memories m ON m.id = k.memory_id WHERE {w.sql}", w.params)
 
 
+def key_vectors(ids: Sequence[str], key_name: str) -> r.Stmt:
+    """The vectors of one key name of these memories, in the order they were written."""
+    return (f"SELECT memory_id, vector FROM memory_keys WHERE kind = ? AND memory_id IN "
+            f"({DIALECT.marks(len(ids))}) ORDER BY seq", [key_name, *ids])
+
+
 def alive_keys(seqs: Sequence[int]) -> r.Stmt:
     return f"SELECT seq FROM memory_keys WHERE seq IN ({DIALECT.marks(len(seqs))})", list(seqs)

@@ -503,6 +503,13 @@ class SQLiteStore(SQLStore):
                 return hits[:k]
             pool = min(n, pool * 4)
 
+    def key_vectors(self, ids: Sequence[str], key: str) -> dict[str, np.ndarray]:
+        out: dict[str, list[np.ndarray]] = {}
+        for i in range(0, len(ids), self.dialect.chunk):
+            for mid, blob in self._read(*sql.key_vectors(ids[i:i + self.dialect.chunk], key)):
+                out.setdefault(mid, []).append(np.frombuffer(blob, dtype=np.float32))
+        return {mid: np.stack(rows) for mid, rows in out.items()}
+
     def _alive_seqs(self, seqs: list[int]) -> set[int]:
         out: set[int] = set()
         for i in range(0, len(seqs), self.dialect.chunk):
