@@ -75,7 +75,7 @@ def test_the_context_is_system_then_session_then_the_new_message(seeded: Memory)
     assert set(ctx.blocks) == {b.name for b in DEFAULT_BLOCKS}
     assert ctx.blocks["conversation"].tokens > 0 and len(ctx.blocks["conversation"].ids) == 4
     assert ctx.usage["fixed"] == ctx.fixed_tokens > 0
-    assert "[user]\nWhen is my sister's wedding?" in ctx.text
+    assert '[user]\n"When is my sister\'s wedding?"' in ctx.text  # one quoted line
 
 
 @pytest.mark.parametrize("budget", [70, 120, 200, 350, 600, 1000, 4000])

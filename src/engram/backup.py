@@ -7,11 +7,13 @@ and encrypts its disks; these functions say so instead of half-working.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config
 from .errors import EncryptionError, InvalidInput
+from .store import tenant_path
 from .store.sqlite import files
 
 
@@ -61,8 +63,48 @@ def encrypt(config: Config) -> Path:
     return files.encrypt(_sqlite(config, "encrypt"), config.encryption_key)
 
 
-def rekey(config: Config, new_key: str) -> None:
-    """Change the key of the encrypted database from the configured key to `new_key`."""
+# The service's files beside its databases that no key encrypts, and why (`rekey` names them).
+AUDIT_FILE = "audit.db"  # server/audit.py: encrypted with the databases' key
+PLAIN_FILES = {"keys.db": "API key digests, tenants and key names, never memory content",
+               "ratelimit.db": "request counts per tenant, never memory content"}
+
+
+@dataclass(frozen=True)
+class Rekeyed:
+    """What `rekey` did: the databases now under the new key, and the files beside them it
+    left as they are, with why."""
+
+    rotated: list[Path]
+    left: dict[Path, str]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"rotated": [str(p) for p in self.rotated],
+                "not_rotated": {str(p): why for p, why in self.left.items()}}
+
+
+def databases(config: Config) -> list[Path]:
+    """Every database the configured key encrypts: the database, each tenant's (the service
+    keeps one file per tenant beside it) and the service's audit log, those that exist."""
+    path = _sqlite(config, "rekey")
+    found = [path] if path.exists() else []
+    found += sorted(p for p in tenant_path(path, "-").parent.glob("*.db")
+                    if re.fullmatch(r"[0-9a-f]{32}\.db", p.name))
+    audit = path.parent / AUDIT_FILE
+    return [*found, audit] if found and audit.exists() else found
+
+
+def rekey(config: Config, new_key: str) -> Rekeyed:
+    """Change the key of every database the configured key opens (`databases`: the service's
+    tenants and audit log too) from it to `new_key`; none changes unless each opens with one
+    of the two keys. A missing database is an error, and nothing is created. Stop the service
+    and workers first."""
     if config.encryption_key is None:
         raise EncryptionError("set ENGRAM_ENCRYPTION_KEY (or _FILE) to the current key")
-    files.rekey(_sqlite(config, "rekey"), config.encryption_key, new_key)
+    found = databases(config)
+    if not found:
+        raise InvalidInput(f"there is no database at {config.path}")
+    rotated = files.rekey_all(found, config.encryption_key, new_key)
+    left = {p: "already under the new key" for p in found if p not in rotated}
+    left |= {config.path.parent / name: f"not encrypted: {why}"
+             for name, why in PLAIN_FILES.items() if (config.path.parent / name).exists()}
+    return Rekeyed(rotated, left)

@@ -21,7 +21,7 @@ from .model import Kind, MemoryRecord, Scope
 from .pipeline import entities, read
 from .pipeline.engine import Engine
 from .providers.tokens import Tokenizer, get_tokenizer
-from .working.policies import View, as_data, fit, quote, safe_starts
+from .working.policies import View, as_data, fit, quote, render_call, safe_starts
 from .working.session import is_session_summary, stored_view
 
 BLOCK_NAMES = ("pinned", "facts", "procedures", "summaries", "episodes", "conversation",
@@ -109,8 +109,11 @@ class Context:
 
     @property
     def text(self) -> str:
-        """The same context as one plain text (for completion models and logs)."""
-        return "\n\n".join(f"[{m['role']}]\n{m.get('content') or ''}" for m in self.messages)
+        """The same context as one plain text (for completion models and logs): each message is
+        a `[role]` line, then its content; a message that is not a system message (a stored
+        session message, the new message) is one quoted line, so no text in it can start a
+        line that reads as another role or open or close the memory section."""
+        return "\n\n".join(_flat(m) for m in self.messages)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -134,6 +137,17 @@ def label(name: str) -> str:
     if re.fullmatch(r"[\w .'-]+", clean):
         return clean
     return quote(clean)
+
+
+def _flat(message: Mapping[str, Any]) -> str:
+    """One message of `Context.text`."""
+    role = valid.shown_role(message.get("role"))
+    content = message.get("content") or ""
+    if not content and message.get("tool_calls"):
+        content = "; ".join(render_call(c) for c in message["tool_calls"])
+    # the system message is engram's own (the memory section) and the application's
+    # instructions; every other message may carry anyone's text
+    return f"[{role}]\n{content if role == 'system' else quote(content)}"
 
 
 def _day(value: datetime | None) -> str:

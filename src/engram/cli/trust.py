@@ -101,8 +101,9 @@ def rekey(ctx: typer.Context,
               "--new-key-file", exists=True, dir_okay=False,
               help="A file whose first line is the new key (else it is asked for).")] = None,
           db: DbOpt = None, as_json: JsonOpt = False) -> None:
-    """Change the encryption key (the current one from ENGRAM_ENCRYPTION_KEY or _FILE).
-    Stop the service and workers first."""
+    """Change the encryption key (the current one from ENGRAM_ENCRYPTION_KEY or _FILE) of the
+    database and of every file the service keeps beside it under that key (each tenant's
+    database, the audit log); says what it left as it is. Stop the service and workers first."""
     st = state(ctx, db, as_json)
     with guard():
         cfg = config(st)
@@ -113,11 +114,15 @@ def rekey(ctx: typer.Context,
             new = typer.prompt("new key", hide_input=True, confirmation_prompt=True)
         if not new.strip():
             raise InvalidInput("the new key must not be empty")
-        backups.rekey(cfg, new)
+        done = backups.rekey(cfg, new)
     if st.json:
-        print_json({"rekeyed": str(cfg.path)})
-    else:
-        typer.echo(f"{cfg.path} now opens with the new key: set ENGRAM_ENCRYPTION_KEY to it")
+        print_json(done.to_dict())
+        return
+    for path in done.rotated:
+        typer.echo(f"rekeyed {path}")
+    for path, why in done.left.items():
+        typer.echo(f"left {path}: {why}")
+    typer.echo("every encrypted database now opens with the new key: set ENGRAM_ENCRYPTION_KEY to it")
 
 
 def receipts(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,

@@ -26,7 +26,9 @@ from fastapi import APIRouter, FastAPI, Query
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..backup import AUDIT_FILE
 from ..config import Config
+from ..errors import StoreBusy, StoreUnavailable
 from ..model import new_id
 from ..store.sqlite import Connections
 from .auth import Principal, require_admin
@@ -206,13 +208,29 @@ class GroupWriter:
                     return
                 batch, self._queue = self._queue, []
                 self._busy = True
-            try:
-                self.log.record_many(batch)
-            except Exception:  # the calls are done; lost audit rows are logged, loudly
-                log.exception("could not record %d audit entries", len(batch))
+            self._write(batch)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+
+    def _write(self, batch: list[Entry]) -> None:
+        """One transaction for the batch; if a row of it is refused, each row alone, so one bad
+        row never costs the others. The calls are done: a lost row is logged, loudly."""
+        try:
+            self.log.record_many(batch)
+            return
+        except (StoreBusy, StoreUnavailable):  # the store, not a row: each alone would fail too
+            log.exception("could not record %d audit entries", len(batch))
+            return
+        except Exception:
+            if len(batch) == 1:
+                log.exception("could not record audit entry %s", batch[0].id)
+                return
+        for entry in batch:
+            try:
+                self.log.record_many([entry])
+            except Exception:
+                log.exception("could not record audit entry %s", entry.id)
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every queued entry is written."""
@@ -236,7 +254,7 @@ class GroupWriter:
 def open_audit_log(config: Config) -> AuditLog:
     if config.database_url:
         return PostgresAuditLog(config.database_url, connect_timeout_s=config.pg_connect_timeout_s)
-    return SQLiteAuditLog(config.path.parent / "audit.db", key=config.encryption_key)
+    return SQLiteAuditLog(config.path.parent / AUDIT_FILE, key=config.encryption_key)
 
 
 def scope_of(query: bytes, body: bytes) -> dict[str, str | None]:
@@ -259,8 +277,14 @@ def scope_of(query: bytes, body: bytes) -> dict[str, str | None]:
             for name in SCOPE_FIELDS:
                 value = data.get(name)
                 if isinstance(value, str):
-                    found[name] = value[:200]
+                    found[name] = _text(value[:200])
     return found
+
+
+def _text(value: str) -> str:
+    """`value` as text UTF-8 can encode: JSON's `\\ud800` escape decodes to a lone surrogate,
+    which no database and no log stream accepts; it becomes U+FFFD (a pair is rejoined)."""
+    return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 class AuditMiddleware:

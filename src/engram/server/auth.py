@@ -7,8 +7,11 @@ single-user database.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from ..model import Kind, MemoryRecord, is_pinned
 from .errors import ServiceError
 from .keys import KeyStore, Role
 
@@ -70,6 +73,18 @@ def require_writer(principal: Principal, action: str) -> None:
     if principal.role is Role.READER:
         raise ServiceError(403, "forbidden", f"{action} needs a member or admin key; this key is "
                                              "a read-only reader key")
+
+
+def require_may_change(principal: Principal, current: MemoryRecord, changes: Mapping[str, Any]) -> None:
+    """The one rule of an update, which REST's PATCH and the console's edit both call: changing the
+    text or metadata of a rule (kind procedural) or a pinned memory, or pinning one, needs an
+    admin key (a member key may still change its importance)."""
+    require_writer(principal, "changing a memory")
+    if "text" not in changes and "metadata" not in changes:
+        return
+    if (current.kind is Kind.PROCEDURAL or is_pinned(current.metadata)
+            or is_pinned(changes.get("metadata") or {})):
+        require_admin(principal, "changing a rule (kind procedural) or a pinned memory")
 
 
 # The POST routes that only read (a query in a body): everything else that is not a GET is a

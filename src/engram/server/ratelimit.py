@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import StoreError, StoreUnavailable
+from .tenants import private_file
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -181,7 +182,7 @@ def sqlite_rate_limiter(path: Path, rate: float, burst: int) -> SharedRateLimite
         c: sqlite3.Connection | None = getattr(local, "conn", None)
         if c is None:
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                private_file(path)  # 0600 (and its -wal and -shm), like the databases beside it
                 c = sqlite3.connect(path, timeout=10.0, isolation_level=None,
                                     check_same_thread=False)
                 c.execute("PRAGMA journal_mode = WAL")

@@ -27,7 +27,7 @@ from ..errors import InvalidFilter, InvalidInput, NotFound
 from ..model import Kind, Scope, Session, is_pinned
 from ..working import SessionMessage
 from ..working.policies import as_data
-from .auth import Principal, require_access, require_admin
+from .auth import Principal, require_access, require_admin, require_may_change
 from .errors import ServiceError
 from .guard import PRINCIPAL, authorization
 from .limits import EMBED_CHARS_PER_UNIT, cost
@@ -203,10 +203,7 @@ def update_memory(id: MemoryId, body: UpdateIn, ctx: Context) -> Any:
     if "importance" in changes and changes["importance"] is None:
         raise InvalidInput("importance must be a number in [0, 1]; null does not clear it")
     if "text" in changes or "metadata" in changes:
-        current = ctx.mem.get(id)
-        if (current.kind is Kind.PROCEDURAL or is_pinned(current.metadata)
-                or is_pinned(changes.get("metadata") or {})):
-            require_admin(ctx.principal, "changing a rule (kind procedural) or a pinned memory")
+        require_may_change(ctx.principal, ctx.mem.get(id), changes)
     return ctx.mem.update(id, **changes).to_dict()
 
 

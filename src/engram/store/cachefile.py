@@ -41,6 +41,16 @@ def unpack(arr: np.ndarray, n: int) -> list[str]:
     return arr.tobytes().decode().split("\0") if n else []
 
 
+def private(path: Path) -> int:
+    """Open `path` for writing (created or emptied), readable by its owner only whatever the
+    umask, as the database beside it (0600; its folder 0700): the descriptor. A cache file
+    holds what the database holds (terms, ids, vectors)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 def write(path: Path, magic: bytes, header: dict[str, Any], arrays: Sequence[np.ndarray]) -> Path:
     """Write `header` (with the arrays' layout added) and `arrays` to a temporary file beside
     `path`, flushed to the disk; returns it (the caller renames it into place)."""
@@ -51,10 +61,9 @@ def write(path: Path, magic: bytes, header: dict[str, Any], arrays: Sequence[np.
     raw = json.dumps({**header, "arrays": layout}).encode()
     head = magic + len(raw).to_bytes(8, "little") + raw
     head += b"\0" * (-len(head) % ALIGN)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(private(tmp), "wb") as f:
             crc = zlib.crc32(head)
             f.write(head)
             for a in arrays:

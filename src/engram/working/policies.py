@@ -8,6 +8,7 @@ with its results and never leaves a history that starts with an assistant or too
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import datetime
@@ -55,11 +56,23 @@ class SessionMessage:
         return out
 
 
+# What JSON leaves raw that a reader may still take for a line break (DEL and the C1 controls,
+# NEL among them; the Unicode line and paragraph separators) or for an angle bracket (its
+# full-width, small, single-guillemet, mathematical and CJK look-alikes): escaped as JSON's
+# own \uXXXX, so the quoted line stays valid JSON and says exactly what was stored. A lone
+# surrogate (UTF-8 cannot encode it) is escaped the same way.
+_RAW = re.compile("[\x7f-\x9f\u2028\u2029\ud800-\udfff\uff1c\uff1e\ufe64\ufe65\u2039\u203a\u2329"
+                  "\u232a\u3008\u3009\u27e8\u27e9\u276c-\u276f\u02c2\u02c3\u1438\u1433"
+                  "\u226e\u226f]")
+
+
 def quote(text: str) -> str:
-    """A memory's text as one quoted line of data: newlines, quotes and control characters
-    escaped (JSON string rules), angle brackets as entities — so a stored text cannot close the
-    memory section, open a role, start a heading or smuggle a chat-template token."""
-    return json.dumps(text, ensure_ascii=False).replace("<", "&lt;").replace(">", "&gt;")
+    """A memory's text as one quoted line of data: every line break, quote and control
+    character escaped (JSON string rules, plus the breaks and look-alikes of `_RAW`), angle
+    brackets as entities — so a stored text cannot close the memory section, open a role,
+    start a heading or smuggle a chat-template token."""
+    line = _RAW.sub(lambda m: f"\\u{ord(m.group()):04x}", json.dumps(text, ensure_ascii=False))
+    return line.replace("<", "&lt;").replace(">", "&gt;")
 
 
 SPEAKING_ROLES = ("user", "assistant")  # stored messages that come back with their own role

@@ -24,9 +24,9 @@ from starlette.concurrency import run_in_threadpool
 
 from ... import JobStatus, Kind, Memory
 from ...errors import EngramError, InvalidInput
-from ..auth import LOCAL, Principal, require_admin, require_writer
+from ..auth import LOCAL, Principal, require_admin, require_may_change, require_writer
 from ..errors import ServiceError, classify
-from ..guard import PRINCIPAL
+from ..guard import PRINCIPAL, authorization
 from ..keys import Role
 from ..ratelimit import retry_after_header
 from . import views
@@ -128,7 +128,7 @@ async def _page(request: Request) -> Page:
     admin. Then the tenant's rate limit and its memory."""
     state = request.app.state
     session = console_sessions(request).get(request.cookies.get(COOKIE))
-    header = request.headers.get("authorization")
+    header = authorization(request.headers.getlist("authorization"))  # two are refused, as on /v1
     if header is not None:
         principal = await run_in_threadpool(state.auth, header)
     elif not state.auth.enabled:
@@ -159,15 +159,24 @@ async def _page(request: Request) -> Page:
 async def _form(request: Request, page: Page) -> dict[str, str]:
     """The url-encoded form of a POST, after the CSRF check: the session's token must be in it,
     unless the request authenticated with a bearer header (a browser never sends one cross-site)."""
-    raw = (await request.body()).decode("utf-8", "replace")
-    parsed = parse_qs(raw, keep_blank_values=True, max_num_fields=50)
-    form = {k: v[-1] for k, v in parsed.items()}
+    form = _fields(await request.body(), 50)
     if any(len(v) > MAX_FIELD * 4 for v in form.values()):
         raise InvalidInput("a form field is too long")
     if not page.bearer and not csrf_ok(page.session, form.get("csrf")):
         raise ServiceError(403, "csrf", "the form's CSRF token is missing or stale: reload the page "
                                         "and submit it again")
     return form
+
+
+def _fields(body: bytes, most: int) -> dict[str, str]:
+    """A url-encoded form's fields (the last value of a repeated one); more than `most` fields
+    is a bad request (400, as a malformed /v1 body), never an unhandled ValueError."""
+    try:
+        parsed = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True,
+                          max_num_fields=most)
+    except ValueError:
+        raise ServiceError(400, "bad_request", f"the form has more than {most} fields") from None
+    return {k: v[-1] for k, v in parsed.items()}
 
 
 def _with_session(request: Request, response: Response, session: ConsoleSession | None) -> Response:
@@ -220,8 +229,7 @@ async def login(request: Request) -> Response:
         return RedirectResponse("/ui", status_code=303)
     sessions = console_sessions(request)
     before = sessions.get(request.cookies.get(COOKIE))
-    raw = (await request.body()).decode("utf-8", "replace")
-    form = {k: v[-1] for k, v in parse_qs(raw, keep_blank_values=True, max_num_fields=10).items()}
+    form = _fields(await request.body(), 10)
     if not csrf_ok(before, form.get("csrf")):
         return _error(request, 403, "csrf", "the login form is stale: reload the page and log in again")
     assert before is not None
@@ -307,6 +315,7 @@ async def edit(request: Request, id: str) -> Response:
                 changes["importance"] = importance
         if not changes:
             raise InvalidInput("nothing to change: the text and importance are as stored")
+        require_may_change(page.principal, before, changes)
         page.mem.update(id, **page.scope, **changes)
 
     await run_in_threadpool(run)

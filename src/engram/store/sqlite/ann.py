@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import cachefile
+
 log = logging.getLogger("engram.store")
 
 _index_class: list[Any] = []  # usearch's Index once imported (None: the extra is missing)
@@ -106,8 +108,8 @@ class Ann:
 
     def save(self, path: Path) -> None:
         """Write the index beside the database (atomically: a reader never sees half)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")  # per process too
+        os.close(cachefile.private(tmp))  # usearch writes into it and keeps its mode (0600)
         self.index.save(str(tmp))
         tmp.replace(path)
 

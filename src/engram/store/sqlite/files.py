@@ -11,17 +11,27 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from pathlib import Path
 
-from ...errors import EncryptionError, InvalidInput, StoreError
+from ...errors import EncryptionError, EngramError, InvalidInput, StoreError
 from .conn import DB_ERRORS, cipher, connect, is_plain, quote
 
 
 def sidecars(path: Path) -> list[Path]:
     """The database file and the WAL and shared-memory files beside it."""
     return [path, Path(f"{path}-wal"), Path(f"{path}-shm")]
+
+
+def caches(path: Path) -> list[Path]:
+    """The cache files the store saves beside the database (store.py: `<file>.lexicon`, and the
+    folders `<file>.slabs` and `<file>.ann`); none is kept beside an encrypted database."""
+    found = list(path.parent.glob(f"{path.name}.lexicon*"))
+    for folder in (Path(f"{path}.slabs"), Path(f"{path}.ann")):
+        if folder.is_dir():
+            found += [f for f in folder.iterdir() if f.is_file()]
+    return found
 
 
 def integrity(path: Path, key: str | None) -> list[str]:
@@ -137,14 +147,18 @@ def encrypt(path: Path, key: str) -> Path:
             p.unlink(missing_ok=True)
 
     _put_in_place(partial, path, key, f"encrypting {path}: the copy", drop_plain_sidecars)
+    for f in caches(path):  # saved while it was plain: they hold its words and vectors
+        f.unlink(missing_ok=True)
     return saved
 
 
 def rekey(path: Path, old: str, new: str) -> None:
     """Change the key of the encrypted database `path` (every page is rewritten). No other
-    connection may be open."""
+    connection may be open. A missing file is an error (opening it would create one)."""
     if not new:
         raise InvalidInput("the new key must not be empty")
+    if not path.exists():
+        raise InvalidInput(f"there is no database at {path}")
     try:
         with closing(connect(path, old, timeout=30)) as conn:
             conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -155,6 +169,38 @@ def rekey(path: Path, old: str, new: str) -> None:
     problems = integrity(path, new)
     if problems:
         raise StoreError(f"{path} failed its integrity check after the rekey: {problems[:3]}")
+
+
+def rekey_all(paths: Sequence[Path], old: str, new: str) -> list[Path]:
+    """Change the key of several encrypted databases as one operation: each must open with
+    `old` (or already with `new`: a run that stopped half-way is run again) before any is
+    changed; then each is rekeyed, and a failure says which files have which key. Returns
+    those it rekeyed. No other connection may be open."""
+    if not new:
+        raise InvalidInput("the new key must not be empty")
+    todo = []
+    for path in paths:
+        if not path.exists():
+            raise InvalidInput(f"there is no database at {path}")
+        try:
+            connect(path, old).close()
+            todo.append(path)
+        except EncryptionError as exc:
+            try:
+                connect(path, new).close()
+            except EncryptionError:
+                raise EncryptionError(f"{exc} (nor does the new key open it): nothing was "
+                                      "rekeyed") from None
+    done: list[Path] = []
+    for path in todo:
+        try:
+            rekey(path, old, new)
+        except EngramError as exc:
+            left = [str(p) for p in todo if p not in done]
+            raise StoreError(f"{exc}; these still open with the current key: {left} (the others "
+                             "with the new one: run the rekey again)") from exc
+        done.append(path)
+    return done
 
 
 def _counts(conn: sqlite3.Connection) -> dict[str, int]:

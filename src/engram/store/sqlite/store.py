@@ -64,7 +64,8 @@ class SQLiteStore(SQLStore):
                  cache_rows: int = 2_000_000) -> None:
         """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
         scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
-        extra, else always exact), saved beside the database in `<file>.ann/`; the dense cache
+        extra, else always exact), saved beside the database in `<file>.ann/` (not when
+        encrypted: it holds the vectors); the dense cache
         of such a scope is saved too, in `<file>.slabs/` (not when encrypted), so a new
         process loads it from there instead of the tables.
         `lexicon_threshold`: once the full-text index holds more rows than this, lexical
@@ -115,6 +116,8 @@ class SQLiteStore(SQLStore):
         if self._db.encrypted or not named or not named[0][0]:
             self._forget_lexicon_files()
         self._forget_slab_files(keep=not self._db.encrypted)
+        if self._db.encrypted:
+            ann.forget_files(self._ann_dir)
 
     @property
     def connections(self) -> Connections:
@@ -415,7 +418,9 @@ class SQLiteStore(SQLStore):
         index = slab.ann
         if index is not None and slab.ann_at == slab.changes:
             return index  # no row changed since it was brought up to date
-        path = ann.file_for(self._ann_dir, key) if self._ann_dir is not None else None
+        # never beside an encrypted database: the index holds its vectors in clear
+        path = (ann.file_for(self._ann_dir, key)
+                if self._ann_dir is not None and not self._db.encrypted else None)
         live = slab.live_rows()
         if index is not None:
             indexed = int(np.count_nonzero(slab.seqs[live] <= index.max_seq))
