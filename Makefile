@@ -9,7 +9,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
 	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction \
-	bench-encryption bench-entities bench-frameworks bench-peers bench-embed console-shots clean
+	bench-encryption bench-entities bench-frameworks bench-peers bench-embed console-shots docs clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -51,6 +51,10 @@ test: dev
 	$(VENV)/bin/ruff check src tests bench
 	$(VENV)/bin/mypy src
 	$(VENV)/bin/pytest
+
+# The documentation site (mkdocs.yml) into site/, warnings as errors; tests/test_docs.py builds it too.
+docs: dev
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench-locomo: install
 	$(PY) bench/locomo.py
@@ -114,4 +118,4 @@ bench-peers: install $(PEERS)/.installed
 	$(PY) bench/peers.py --peers-python $(PEERS)/bin/python
 
 clean:
-	rm -rf $(VENV) $(PEERS) build src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) build site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
