@@ -73,9 +73,9 @@ class AsyncMemory:
     async def add(self, messages: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]], *,
                   user_id: str | None = None, agent_id: str | None = None,
                   session_id: str | None = None, metadata: Mapping[str, Any] | None = None,
-                  observed_at: datetime | None = None, infer: bool = True,
+                  observed_at: datetime | str | None = None, infer: bool = True,
                   kind: str | Kind | None = None, importance: float | None = None,
-                  expires_at: datetime | None = None,
+                  expires_at: datetime | str | None = None,
                   supersedes: str | Sequence[str] | None = None, background: bool = False,
                   idempotency_key: str | None = None) -> AddResult:
         return await _in_thread(
@@ -96,8 +96,8 @@ class AsyncMemory:
 
     async def update(self, id: str, *, text: str | Unset = UNSET,
                      metadata: Mapping[str, Any] | None | Unset = UNSET,
-                     importance: float | Unset = UNSET, expires_at: datetime | None | Unset = UNSET,
-                     valid_from: datetime | Unset = UNSET,
+                     importance: float | Unset = UNSET, expires_at: datetime | str | None | Unset = UNSET,
+                     valid_from: datetime | str | Unset = UNSET,
                      user_id: str | None = None, agent_id: str | None = None,
                      session_id: str | None = None) -> MemoryRecord:
         return await _in_thread(self.sync.update, id, text=text, metadata=metadata,
@@ -135,7 +135,7 @@ class AsyncMemory:
 
     async def list(self, *, user_id: str | None = None, agent_id: str | None = None,
                    session_id: str | None = None, filters: Mapping[str, Any] | None = None,
-                   kinds: Iterable[str | Kind] | None = None, as_of: datetime | None = None,
+                   kinds: Iterable[str | Kind] | None = None, as_of: datetime | str | None = None,
                    cursor: str | None = None, limit: int = 50) -> Page:
         return await _in_thread(self.sync.list, user_id=user_id, agent_id=agent_id,
                                 session_id=session_id, filters=filters, kinds=kinds, as_of=as_of,
@@ -144,7 +144,7 @@ class AsyncMemory:
     async def search(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                      session_id: str | None = None, filters: Mapping[str, Any] | None = None,
                      limit: int = 10, kinds: Iterable[str | Kind] | None = None,
-                     as_of: datetime | None = None) -> builtins.list[Hit]:
+                     as_of: datetime | str | None = None) -> builtins.list[Hit]:
         return await _in_thread(self.sync.search, query, user_id=user_id, agent_id=agent_id,
                                 session_id=session_id, filters=filters, limit=limit, kinds=kinds,
                                 as_of=as_of)
@@ -157,7 +157,7 @@ class AsyncMemory:
     # -- the knowledge graph ----------------------------------------------------------------
 
     async def relate(self, subject: str, predicate: str, object: str | int | float | datetime, *,
-                     valid_from: datetime | None = None, valid_to: datetime | None = None,
+                     valid_from: datetime | str | None = None, valid_to: datetime | str | None = None,
                      user_id: str | None = None, agent_id: str | None = None,
                      metadata: Mapping[str, Any] | None = None, single: bool | None = None,
                      literal: bool = False, subject_type: str | None = None,
@@ -170,7 +170,7 @@ class AsyncMemory:
 
     async def unrelate(self, subject: str, predicate: str,
                        object: str | int | float | datetime | None = None, *,
-                       at: datetime | None = None, retract: bool = False, literal: bool = False,
+                       at: datetime | str | None = None, retract: bool = False, literal: bool = False,
                        user_id: str | None = None,
                        agent_id: str | None = None) -> builtins.list[Relation]:
         return await _in_thread(self.sync.unrelate, subject, predicate, object, at=at,
@@ -201,18 +201,18 @@ class AsyncMemory:
                                 user_id=user_id, agent_id=agent_id)
 
     async def relations(self, subject: str | None = None, predicate: str | None = None,
-                        object: str | None = None, *, as_of: datetime | None = None,
+                        object: str | None = None, *, as_of: datetime | str | None = None,
                         history: bool = False, limit: int = 100, user_id: str | None = None,
                         agent_id: str | None = None) -> builtins.list[Relation]:
         return await _in_thread(self.sync.relations, subject, predicate, object, as_of=as_of,
                                 history=history, limit=limit, user_id=user_id, agent_id=agent_id)
 
-    async def neighbours(self, name: str, *, depth: int = 1, as_of: datetime | None = None,
+    async def neighbours(self, name: str, *, depth: int = 1, as_of: datetime | str | None = None,
                          user_id: str | None = None, agent_id: str | None = None) -> Subgraph:
         return await _in_thread(self.sync.neighbours, name, depth=depth, as_of=as_of,
                                 user_id=user_id, agent_id=agent_id)
 
-    async def path(self, a: str, b: str, *, max_depth: int = 4, as_of: datetime | None = None,
+    async def path(self, a: str, b: str, *, max_depth: int = 4, as_of: datetime | str | None = None,
                    user_id: str | None = None, agent_id: str | None = None) -> Subgraph:
         return await _in_thread(self.sync.path, a, b, max_depth=max_depth, as_of=as_of,
                                 user_id=user_id, agent_id=agent_id)

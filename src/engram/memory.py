@@ -130,8 +130,8 @@ class Memory:
     def add(self, messages: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]], *,
             user_id: str | None = None, agent_id: str | None = None,
             session_id: str | None = None, metadata: Mapping[str, Any] | None = None,
-            observed_at: datetime | None = None, infer: bool = True, kind: str | Kind | None = None,
-            importance: float | None = None, expires_at: datetime | None = None,
+            observed_at: datetime | str | None = None, infer: bool = True, kind: str | Kind | None = None,
+            importance: float | None = None, expires_at: datetime | str | None = None,
             supersedes: str | Sequence[str] | None = None,
             background: bool = False, idempotency_key: str | None = None) -> AddResult:
         """Store messages (episodes) or facts (`kind="semantic"` / `"procedural"`).
@@ -209,8 +209,8 @@ class Memory:
 
     def update(self, id: str, *, text: str | Unset = UNSET,
                metadata: Mapping[str, Any] | None | Unset = UNSET,
-               importance: float | Unset = UNSET, expires_at: datetime | None | Unset = UNSET,
-               valid_from: datetime | Unset = UNSET,
+               importance: float | Unset = UNSET, expires_at: datetime | str | None | Unset = UNSET,
+               valid_from: datetime | str | Unset = UNSET,
                user_id: str | None = None, agent_id: str | None = None,
                session_id: str | None = None) -> MemoryRecord:
         """Change a memory of the scope in place (only what is given; `metadata=None` clears
@@ -304,7 +304,7 @@ class Memory:
 
     def list(self, *, user_id: str | None = None, agent_id: str | None = None,
              session_id: str | None = None, filters: Mapping[str, Any] | None = None,
-             kinds: Iterable[str | Kind] | None = None, as_of: datetime | None = None,
+             kinds: Iterable[str | Kind] | None = None, as_of: datetime | str | None = None,
              cursor: str | None = None, limit: int = 50) -> Page:
         """Visible memories in creation order, one page at a time."""
         q = read.query(valid.scope(user_id, agent_id, session_id), filters, kinds, as_of)
@@ -313,7 +313,7 @@ class Memory:
     def search(self, query: str, *, user_id: str | None = None, agent_id: str | None = None,
                session_id: str | None = None, filters: Mapping[str, Any] | None = None,
                limit: int = 10, kinds: Iterable[str | Kind] | None = None,
-               as_of: datetime | None = None) -> builtins.list[Hit]:
+               as_of: datetime | str | None = None) -> builtins.list[Hit]:
         """Hybrid search: dense + lexical candidates, fused, adjusted; each hit explains itself.
 
         The query is not redacted (`ENGRAM_REDACT` applies to what is written): it is never
@@ -337,7 +337,7 @@ class Memory:
     # -- the knowledge graph (pipeline/entities.py, docs/graph.md) ----------------------------
 
     def relate(self, subject: str, predicate: str, object: str | int | float | datetime, *,
-               valid_from: datetime | None = None, valid_to: datetime | None = None,
+               valid_from: datetime | str | None = None, valid_to: datetime | str | None = None,
                user_id: str | None = None, agent_id: str | None = None,
                metadata: Mapping[str, Any] | None = None, single: bool | None = None,
                literal: bool = False, subject_type: str | None = None,
@@ -359,7 +359,7 @@ class Memory:
 
     def unrelate(self, subject: str, predicate: str,
                  object: str | int | float | datetime | None = None, *,
-                 at: datetime | None = None, retract: bool = False, literal: bool = False,
+                 at: datetime | str | None = None, retract: bool = False, literal: bool = False,
                  user_id: str | None = None, agent_id: str | None = None) -> builtins.list[Relation]:
         """End the edges `subject -[predicate]-> object` that hold at `at` (default now; any
         object if None): they get `valid_to` and stay as history. `retract=True`: they never
@@ -409,7 +409,7 @@ class Memory:
                                  type=type, limit=valid.limit(limit), after_id=cursor)
 
     def relations(self, subject: str | None = None, predicate: str | None = None,
-                  object: str | None = None, *, as_of: datetime | None = None,
+                  object: str | None = None, *, as_of: datetime | str | None = None,
                   history: bool = False, limit: int = 100, user_id: str | None = None,
                   agent_id: str | None = None) -> builtins.list[Relation]:
         """The s/p/o query of the knowledge graph: relations matching every end given (a name,
@@ -420,14 +420,14 @@ class Memory:
                                   as_of=valid.moment(as_of, "as_of"),
                                   history=valid.flag(history, "history"), limit=valid.limit(limit))
 
-    def neighbours(self, name: str, *, depth: int = 1, as_of: datetime | None = None,
+    def neighbours(self, name: str, *, depth: int = 1, as_of: datetime | str | None = None,
                    user_id: str | None = None, agent_id: str | None = None) -> Subgraph:
         """The entity and every entity within `depth` hops (1 to 4), with the relations
         between them, current or valid at `as_of`."""
         return entities.neighbours(self.store, valid.scope(user_id, agent_id, None), name,
                                    depth, valid.moment(as_of, "as_of"))
 
-    def path(self, a: str, b: str, *, max_depth: int = 4, as_of: datetime | None = None,
+    def path(self, a: str, b: str, *, max_depth: int = 4, as_of: datetime | str | None = None,
              user_id: str | None = None, agent_id: str | None = None) -> Subgraph:
         """A shortest chain of relations between two entities (either direction), with its
         entities in order from `a`; empty when none within `max_depth` hops."""

@@ -366,7 +366,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
         """The knowledge graph's subject / predicate / object query: the relations that hold
         now (or at `as_of`) matching every part given."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
-            found = mem.relations(subject, predicate, object, as_of=as_of,  # type: ignore[arg-type]
+            found = mem.relations(subject, predicate, object, as_of=as_of,
                                   user_id=owner.user_id)
             out = graph.relations_result(found)
             return _text_result(wire.dump(out), out)
