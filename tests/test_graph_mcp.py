@@ -1,18 +1,19 @@
-"""The knowledge graph over MCP: the reference server's tools also write engram's real graph,
-the `entity`, `relations` and `neighbours` tools read it, and `kg` records written before the
-real graph existed migrate into it."""
+"""The knowledge graph over MCP: the reference server's tools keep their graph in engram's real
+graph (the only one), the `entity`, `relations` and `neighbours` tools read it, and a graph that
+older versions kept as tagged memories converts into it once."""
 
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from mcp import Client
 
 from engram import Memory, Scope
+from engram.graph import reference as kg
 from engram.mcp import build_server
-from engram.mcp import graph as kg
 from engram.providers.embedders import MiniLM
 
 
@@ -51,24 +52,70 @@ def test_reference_tools_write_the_real_graph_and_the_new_tools_read_it(
         asyncio.run(go(mem))
 
 
-def test_kg_records_written_before_migrate_into_entities_and_relations(
+OLD_GRAPH = [  # what the reference tools stored before the real graph: tagged memories only
+    {"content": "Ana (person)", "metadata": {"kg": "entity", "entity": "Ana", "entity_type": "person"}},
+    {"content": "Ana: speaks Portuguese", "metadata": {
+        "kg": "observation", "entity": "Ana", "entity_type": "person", "observation": "speaks Portuguese"}},
+    {"content": "ana (person) #2", "metadata": {"kg": "entity", "entity": "ana", "entity_type": "person"}},
+    {"content": "Bob (person)", "metadata": {"kg": "entity", "entity": "Bob", "entity_type": "person"}},
+    {"content": "Ana friend of Bob", "metadata": {
+        "kg": "relation", "from": "Ana", "to": "Bob", "relation_type": "friend_of"}},
+]
+
+
+def test_a_graph_kept_as_tagged_memories_converts_once_into_the_real_graph(
         tmp_path: Path, embedder: MiniLM) -> None:
     with Memory(tmp_path / "m.db", embedder=embedder, llm=None) as mem:
-        owner = Scope("u1")
-        # what the reference tools stored before the real graph: kg records only
-        mem.add([{"content": "Ana (person)", "metadata": {"kg": "entity", "entity": "Ana",
-                                                          "entity_type": "person"}},
-                 {"content": "Bob (person)", "metadata": {"kg": "entity", "entity": "Bob",
-                                                          "entity_type": "person"}},
-                 {"content": "Ana friend of Bob", "metadata": {
-                     "kg": "relation", "from": "Ana", "to": "Bob", "relation_type": "friend_of"}}],
-                user_id="u1", kind="semantic", infer=False)
-        assert mem.entities(user_id="u1") == []
-        assert kg.migrate(mem, owner) == (2, 1)
-        assert kg.migrate(mem, owner) == (2, 1)  # again: nothing new
+        tagged = mem.add(OLD_GRAPH, user_id="u1", kind="semantic", infer=False).memories
+        assert len(tagged) == 5 and mem.entities(user_id="u1") == []
+
+    async def go(mem: Memory) -> Any:
+        async with Client(build_server(lambda: mem, user_id="u1")) as c:
+            return data(await c.call_tool("read_graph", {}))
+
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=None) as mem:  # a store opened again
+        graph = asyncio.run(go(mem))
+        assert graph == {"entities": [
+            {"name": "Ana", "entityType": "person", "observations": ["speaks Portuguese"]},
+            {"name": "ana", "entityType": "person", "observations": []},
+            {"name": "Bob", "entityType": "person", "observations": []}],
+            "relations": [{"from": "Ana", "to": "Bob", "relationType": "friend_of"}]}
+        # one truth: the real graph holds it, the tagged memories are gone (their history kept)
         assert {e.name for e in mem.entities(user_id="u1")} == {"Ana", "Bob"}
         assert [(r.subject_name, r.predicate, r.object_name)
                 for r in mem.relations(user_id="u1")] == [("Ana", "friend_of", "Bob")]
+        assert mem.list(user_id="u1").items == []
+        assert all([e.type.value for e in mem.history(m.id)] == ["ADD", "DELETE"] for m in tagged)
+        assert kg.migrate(mem, Scope("u1")) == (0, 0)  # once: nothing left to convert
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=None) as mem:
+        assert asyncio.run(go(mem)) == graph  # and not again on the next open
+
+
+def test_the_reference_graph_is_the_real_graph_for_erasure_and_export(
+        tmp_path: Path, embedder: MiniLM) -> None:
+    async def go(mem: Memory) -> None:
+        async with Client(build_server(lambda: mem, user_id="u1")) as c:
+            data(await c.call_tool("create_entities", {"entities": [
+                {"name": "Ana", "entityType": "person", "observations": ["speaks Portuguese"]},
+                {"name": "ana", "entityType": "person", "observations": ["is five"]},
+                {"name": "Clinic", "entityType": "organization", "observations": []}]}))
+            data(await c.call_tool("create_relations", {"relations": [
+                {"from": "Ana", "to": "Clinic", "relationType": "works_at"},
+                {"from": "ana", "to": "Ghost", "relationType": "haunted_by"}]}))
+
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=None) as mem:
+        asyncio.run(go(mem))
+        graph = kg.read_graph(mem, Scope("u1"))
+        assert mem.list(user_id="u1").items == []  # no second copy as memories
+        mem.export(tmp_path / "u1.jsonl", user_id="u1")
+        mem.erase(user_id="u1")
+        assert kg.read_graph(mem, Scope("u1")) == kg.Graph()
+        assert mem.entities(user_id="u1") == []
+    with Memory(tmp_path / "moved.db", embedder=embedder, llm=None) as mem:
+        mem.import_(tmp_path / "u1.jsonl")
+        assert kg.read_graph(mem, Scope("u1")) == graph
+        assert graph.entities[1] == kg.Entity("ana", "person", ("is five",))
+        assert kg.Relation("ana", "Ghost", "haunted_by") in graph.relations
 
 
 def test_delete_entities_deletes_the_real_entity_unless_a_namesake_remains(
@@ -96,3 +143,25 @@ def test_delete_entities_deletes_the_real_entity_unless_a_namesake_remains(
 
     with Memory(tmp_path / "m.db", embedder=embedder, llm=None) as mem:
         asyncio.run(go(mem))
+
+
+def test_writers_at_once_keep_every_name_and_observation(gmem: Memory) -> None:
+    # Names that the real graph resolves to one entity, written by threads at once: each
+    # thread's records land on the one entity, none overwrites another's (both stores).
+    owner = Scope("u1")
+    names = ["Ana", "ana", "ANA", "Ana."]
+    kg.create_entities(gmem, [kg.Entity("Ana", "person")], owner)
+
+    def write(i: int) -> None:
+        if 0 < i < len(names):
+            kg.create_entities(gmem, [kg.Entity(names[i], "person", (f"fact {i}",))], owner)
+        kg.add_observations(gmem, [("Ana", [f"seen by {i}"])], owner)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(write, range(16)))
+    graph = kg.read_graph(gmem, owner)
+    assert sorted(e.name for e in graph.entities) == sorted(names)
+    by_name = {e.name: e for e in graph.entities}
+    assert sorted(by_name["Ana"].observations) == sorted(f"seen by {i}" for i in range(16))
+    assert all(by_name[n].observations == (f"fact {i}",) for i, n in enumerate(names) if i)
+    assert len(gmem.entities(user_id="u1")) == 1  # one real entity holds them all

@@ -3,8 +3,10 @@
 
 Layers (ARCHITECTURE.md): imports point down. A face may import the package root (names in
 `engram.__all__`), `engram.errors`, `engram.config`, `engram.model`, `engram.working`
-(policies) and the provider registries (`engram.providers.embedders` / `.llms`: the documented
-extension point where embedders and LLMs are registered and built by name). The service may
+(policies), the provider registries (`engram.providers.embedders` / `.llms`: the documented
+extension point where embedders and LLMs are registered and built by name) and the reference
+MCP memory server's graph kept on the real one (`engram.graph.reference`: its tools and
+`engram mcp import` translate to it as others translate to `Memory`). The service may
 also open tenants' stores through the store's package roots (`engram.store`,
 `engram.store.sqlite`, `engram.store.postgres`).
 Faces use each other only downward: the CLI starts the service and the MCP server, the service
@@ -24,7 +26,8 @@ import engram
 SRC = Path(engram.__file__).resolve().parent
 
 PUBLIC = {"engram.errors", "engram.config", "engram.model", "engram.working", "engram.backup",
-          "engram.working.policies", "engram.providers.embedders", "engram.providers.llms"}
+          "engram.working.policies", "engram.providers.embedders", "engram.providers.llms",
+          "engram.graph.reference"}
 FACES: dict[str, set[str]] = {  # face -> what it may import besides PUBLIC and itself
     "engram.cli": {"engram.server", "engram.mcp"},
     "engram.server": {"engram.mcp", "engram.store"},

@@ -1,6 +1,6 @@
 """The MCP face, driven by the `mcp` SDK's own client: `engram mcp` as a subprocess over stdio and
 over streamable HTTP, an in-process HTTP server whose `resolve` picks a Memory per request, and the
-knowledge-graph mapping (`engram.mcp.graph`) checked directly against a real Memory."""
+knowledge-graph mapping (`engram.graph.reference`) checked directly against a real Memory."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from typer.testing import CliRunner
 
 from engram import InvalidImport, InvalidInput, Memory, NotFound, Scope
 from engram.cli import app
+from engram.graph import reference as kg
 from engram.mcp import build_server, current_request
-from engram.mcp import graph as kg
 from engram.providers.embedders import MiniLM
 from server_kit import serve_in_thread
 
@@ -212,12 +212,13 @@ def test_http_knowledge_graph(tmp_path: Path, embedder: MiniLM) -> None:
             opened = data(await c.call_tool("open_nodes", {"names": ["Clinic", "Nobody"]}))
             assert opened == {"entities": [graph["entities"][1]], "relations": [works]}
 
-            # The graph is ordinary memory: engram's own tools see it, filtered by its metadata.
-            entities = data(await c.call_tool("list_memories", {"filters": {"kg": "entity"}}))
-            assert [m["text"] for m in entities["memories"]] == ["Ana (person)", "Clinic (organization)",
-                                                                  "Bob (person)"]
-            hits = data(await c.call_tool("recall", {"query": "cello", "filters": {"kg": "observation"}}))
-            assert hits["hits"][0]["text"] == "Ana: plays the cello"
+            # One graph: engram's knowledge graph holds it (not memories), its own tools read it.
+            ana = data(await c.call_tool("entity", {"name": "Ana"}))
+            assert ana["type"] == "person" and sorted(
+                (r["subject"], r["predicate"], r["object"]) for r in ana["relations"]) == [
+                ("Ana", "knows", "Ghost"), ("Ana", "works_at", "Clinic"), ("Bob", "knows", "Ana"),
+                ("Bob", "likes", "Ana")]
+            assert data(await c.call_tool("list_memories", {}))["memories"] == []
 
             msg = data(await c.call_tool("delete_observations", {"deletions": [
                 {"entityName": "Ana", "observations": ["plays the cello"]}]}))
@@ -235,10 +236,14 @@ def test_http_knowledge_graph(tmp_path: Path, embedder: MiniLM) -> None:
 
     with http_server(db) as url:
         asyncio.run(session(url))
-    with Memory(db, embedder=embedder) as mem:  # deletions are soft: the history keeps them
-        assert mem.list(user_id="default", filters={"kg": "entity", "entity": "Clinic"}).items == []
-        # Clinic, its observation, 3 relations (works_at, knows, Ana knows Ghost), cello
-        assert mem.stats(user_id="default").deleted == 6
+    with Memory(db, embedder=embedder) as mem:
+        with pytest.raises(NotFound):  # the real entity went with the reference's
+            mem.entity("Clinic", user_id="default")
+        # a deleted relation is retracted: the history keeps it (works_at went with Clinic)
+        retracted = [(r.subject_name, r.predicate, r.object_name)
+                     for r in mem.relations(user_id="default", history=True) if r.expired_at]
+        assert sorted(retracted) == [("Ana", "knows", "Ghost"), ("Bob", "knows", "Ana")]
+        assert mem.stats(user_id="default").memories == 0
 
 
 # -- in-process HTTP: one server, a Memory per request (how the REST service mounts it) ------------
@@ -287,19 +292,18 @@ def test_build_server_refuses_an_empty_user() -> None:
 OWNER = Scope(user_id="u")
 
 
-def test_graph_records_are_memories_and_survive_consolidation(mem: Memory) -> None:
+def test_graph_observations_are_kept_exactly_per_entity(mem: Memory) -> None:
     kg.create_entities(mem, [kg.Entity("Ana", "person", ("likes coffee", "likes coffee", "Likes coffee.")),
                              kg.Entity("Bob", "person", ("likes coffee",))], OWNER)
-    # Identical observations of two entities stay two memories; an exact repeat within one is
-    # one; observations that differ in case or punctuation are two, as in the reference server
-    # (this test used to expect them joined: engram compared them as it compares facts).
+    # Identical observations of two entities stay two; an exact repeat within one is one;
+    # observations that differ in case or punctuation are two, as in the reference server.
     graph = kg.read_graph(mem, OWNER)
     assert graph.entities == [kg.Entity("Ana", "person", ("likes coffee", "Likes coffee.")),
                               kg.Entity("Bob", "person", ("likes coffee",))]
-    facts = mem.list(user_id="u", filters={"kg": "observation"}).items
-    assert [(m.text, m.metadata["entity"]) for m in facts] == [
-        ("Ana: likes coffee", "Ana"), ("Ana: Likes coffee. #2", "Ana"), ("Bob: likes coffee", "Bob")]
-    assert mem.search("who likes coffee?", user_id="u", filters={"kg": "observation"}, limit=2)
+    # They live on the real entities, not in memories.
+    assert mem.list(user_id="u").items == []
+    assert mem.entity("Ana", user_id="u").entity.attributes["mcp"]["Ana"]["observations"] == [
+        "likes coffee", "Likes coffee."]
     # A graph in another scope is another graph.
     assert kg.read_graph(mem, Scope(user_id="other")).entities == []
 
@@ -321,14 +325,18 @@ def test_graph_refusals_write_nothing(mem: Memory, snapshot: Any, tmp_path: Path
     assert snapshot(tmp_path / "m.db") == before
 
 
-def test_graph_deletes_are_soft_and_audited(mem: Memory) -> None:
+def test_graph_deletes_retract_relations_and_delete_the_entity(mem: Memory) -> None:
     kg.create_entities(mem, [kg.Entity("Ana", "person", ("plays cello",)), kg.Entity("Bob", "person")], OWNER)
-    kg.create_relations(mem, [kg.Relation("Bob", "Ana", "knows")], OWNER)
-    ids = {m.text: m.id for m in mem.list(user_id="u").items}
+    kg.create_relations(mem, [kg.Relation("Bob", "Ana", "knows"), kg.Relation("Bob", "Cid", "knows")],
+                        OWNER)
+    assert kg.delete_relations(mem, [kg.Relation("Bob", "Cid", "knows")], OWNER) == 1
+    (cid,) = [r for r in mem.relations("Bob", user_id="u", history=True) if r.object_name == "Cid"]
+    assert cid.expired_at is not None  # retracted, kept as history
+    assert [e.type.value for e in mem.history(cid.id)] == ["ADD", "DELETE"]
     assert kg.delete_entities(mem, ["Ana", "Ana", "Nope"], OWNER) == (["Ana"], ["Nope"])
     assert kg.read_graph(mem, OWNER) == kg.Graph([kg.Entity("Bob", "person")], [])
-    for text in ("Ana (person)", "Ana: plays cello", "Bob knows Ana"):
-        assert [e.type.value for e in mem.history(ids[text])] == ["ADD", "DELETE"]
+    with pytest.raises(NotFound):
+        mem.entity("Ana", user_id="u")
     assert kg.delete_observations(mem, [("Ghost", ["x"])], OWNER) == (0, ["Ghost"])
     assert kg.delete_relations(mem, [kg.Relation("Bob", "Ana", "knows")], OWNER) == 0
 
@@ -338,16 +346,6 @@ def test_relations_that_differ_only_in_type_stay_two(mem: Memory) -> None:
     both = [kg.Relation("Bob", "Ana", "knows"), kg.Relation("Bob", "Ana", "knows_well")]
     kg.create_relations(mem, both, OWNER)
     assert kg.read_graph(mem, OWNER).relations == both
-
-
-@pytest.mark.parametrize("text", ["likes coffee", "Likes coffee.", "  LIKES\tcoffee!? ", "ﬁne ﬁsh",
-                                  "Straße", "ends with colon:", "x", "", "Ünïcödé  é", "a.b. c"])
-def test_graph_compares_observations_as_engram_compares_facts(text: str) -> None:
-    # The graph keeps its own copy of engram's exact-duplicate form (it sees engram only
-    # through Memory); the two must agree, or a repeat would be reported as new.
-    from engram.pipeline.text import normalize
-
-    assert kg.normalize(text) == normalize(text)
 
 
 def test_search_nodes_ranks_by_meaning(mem: Memory) -> None:
@@ -404,15 +402,13 @@ def test_relations_may_name_unknown_entities(mem: Memory) -> None:
     assert kg.read_graph(mem, OWNER).relations[1:] == both
 
 
-def test_a_plain_fact_never_swallows_a_graph_record(mem: Memory) -> None:
-    # engram takes "Ana: likes tea" for an exact repeat of a fact remembered outside the graph:
-    # that fact becomes the graph's observation (its text kept), which the graph then shows.
+def test_a_plain_fact_and_a_graph_record_stay_apart(mem: Memory) -> None:
+    # A fact remembered outside the graph is a memory; the graph's observation is the entity's.
     fact = mem.add("ana: Likes tea.", user_id="u", kind="semantic").memories[0]
     kg.create_entities(mem, [kg.Entity("Ana", "person", ("likes tea",))], OWNER)
     assert kg.read_graph(mem, OWNER).entities == [kg.Entity("Ana", "person", ("likes tea",))]
-    assert [m.text for m in mem.list(user_id="u").items] == ["ana: Likes tea.", "Ana (person)"]
-    assert mem.get(fact.id).metadata == {"kg": "observation", "entity": "Ana", "entity_type": "person",
-                                         "observation": "likes tea"}
+    assert [m.text for m in mem.list(user_id="u").items] == ["ana: Likes tea."]
+    assert mem.get(fact.id).metadata == {}
 
 
 def test_search_nodes_matches_words_like_the_reference_and_meaning_above_a_floor(mem: Memory) -> None:

@@ -25,8 +25,8 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 from engram import Memory, Scope
+from engram.graph import reference as kg
 from engram.mcp import build_server
-from engram.mcp import graph as kg
 from engram.providers.embedders import MiniLM
 
 PINNED = Path(__file__).parent / "mcp_reference"  # package.json + package-lock.json

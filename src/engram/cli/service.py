@@ -236,7 +236,7 @@ def mcp_import(ctx: typer.Context,
     st = state(ctx, db, as_json)
     with guard():
         from .. import Scope
-        from ..mcp import graph
+        from ..graph import reference as graph
 
         parsed = graph.read_reference_file(path)
         with open_memory(st) as mem:

@@ -1,7 +1,7 @@
 """The MCP server of engram: its memory tools and the reference memory server's knowledge-graph
 tools, served over stdio or streamable HTTP with the official `mcp` SDK (v2: `MCPServer`).
 
-Every tool is a thin translation to `Memory` (the graph tools to `engram.mcp.graph`); engram's
+Every tool is a thin translation to `Memory` (the graph tools to `engram.graph.reference`); engram's
 typed errors become MCP tool errors (`is_error` results with the message), never crashes.
 """
 
@@ -23,8 +23,9 @@ from pydantic import BaseModel, Field, ValidationError
 from .. import Memory, __version__
 from ..config import Config
 from ..errors import EngramError, InvalidInput
+from ..graph import reference
 from ..model import Scope, is_pinned
-from . import graph, wire
+from . import wire
 from .wire import (
     AddedObservations,
     AddObservationsResult,
@@ -247,8 +248,8 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
         """Create multiple new entities in the knowledge graph. An entity whose name exists is
         skipped (use add_observations for it); names are compared exactly."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
-            created, skipped = graph.create_entities(
-                mem, [graph.Entity(e.name, e.entity_type, tuple(e.observations)) for e in entities], owner)
+            asked = [reference.Entity(e.name, e.entity_type, tuple(e.observations)) for e in entities]
+            created, skipped = reference.create_entities(mem, asked, owner)
             out = CreateEntitiesResult(entities=[wire.entity_out(e) for e in created], skipped=skipped)
             return _text_result(wire.dump(out.entities), out)
         return call(ctx, run)
@@ -259,7 +260,7 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
         """Create multiple new relations between entities in the knowledge graph. Relations
         should be in active voice."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
-            new = graph.create_relations(mem, [wire.relation_in(r) for r in relations], owner)
+            new = reference.create_relations(mem, [wire.relation_in(r) for r in relations], owner)
             out = CreateRelationsResult(relations=[wire.relation_out(r) for r in new])
             return _text_result(wire.dump(out.relations), out)
         return call(ctx, run)
@@ -270,7 +271,8 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
         """Add new observations to existing entities in the knowledge graph; returns the ones
         that were new."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
-            results = graph.add_observations(mem, [(o.entity_name, o.contents) for o in observations], owner)
+            asked = [(o.entity_name, o.contents) for o in observations]
+            results = reference.add_observations(mem, asked, owner)
             out = AddObservationsResult(results=[
                 AddedObservations(entity_name=name, added_observations=added) for name, added in results])
             return _text_result(wire.dump(out.results), out)
@@ -281,10 +283,10 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
         entityNames: Annotated[list[str], Field(description="Names of the entities to delete")],  # noqa: N803
         ctx: Context,
     ) -> Annotated[CallToolResult, DeleteResult]:
-        """Delete entities with their observations and relations (soft: kept in the history);
-        the knowledge graph's entity goes too, with its relations and mentions."""
+        """Delete entities with their observations and the relations naming them; the knowledge
+        graph's entity goes too (with its relations and mentions) once no name is left on it."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
-            deleted, missing = graph.delete_entities(mem, entityNames, owner)
+            deleted, missing = reference.delete_entities(mem, entityNames, owner)
             message = ("Entities deleted successfully" if not missing else
                        f"Deleted {len(deleted)} of {len(deleted) + len(missing)} entities. "
                        f"Not found: {', '.join(missing)}")
@@ -294,9 +296,9 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
     @server.tool(annotations=DELETE)
     def delete_observations(deletions: list[ObservationDeletion],
                             ctx: Context) -> Annotated[CallToolResult, DeleteResult]:
-        """Delete specific observations from entities (soft: kept in the history)."""
+        """Delete specific observations from entities."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
-            count, missing = graph.delete_observations(
+            count, missing = reference.delete_observations(
                 mem, [(d.entity_name, d.observations) for d in deletions], owner)
             asked = sum(len(set(d.observations)) for d in deletions)
             message = "Observations deleted successfully" if count >= asked and not missing else (
@@ -308,23 +310,23 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
     @server.tool(annotations=DELETE)
     def delete_relations(relations: list[RelationModel],
                          ctx: Context) -> Annotated[CallToolResult, DeleteResult]:
-        """Delete relations (soft: kept in the history)."""
+        """Delete relations (retracted in the knowledge graph: its history keeps them)."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
-            count = graph.delete_relations(mem, [wire.relation_in(r) for r in relations], owner)
+            count = reference.delete_relations(mem, [wire.relation_in(r) for r in relations], owner)
             asked = len(set(map(wire.relation_in, relations)))
             message = "Relations deleted successfully" if count >= asked else (
                 f"Deleted {count} of {asked} relations. The rest matched nothing.")
             return _text_result(message, DeleteResult(success=True, message=message))
         return call(ctx, run)
 
-    def graph_result(g: graph.Graph) -> CallToolResult:
+    def graph_result(g: reference.Graph) -> CallToolResult:
         out = wire.graph_out(g)
         return _text_result(wire.dump(out), out)
 
     @server.tool(annotations=READ)
     def read_graph(ctx: Context) -> Annotated[CallToolResult, GraphResult]:
         """Read the whole knowledge graph."""
-        return call(ctx, lambda mem, owner: graph_result(graph.read_graph(mem, owner)))
+        return call(ctx, lambda mem, owner: graph_result(reference.read_graph(mem, owner)))
 
     @server.tool(annotations=READ)
     def search_nodes(
@@ -335,23 +337,23 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
         """Search the knowledge graph: the entities whose name, type or observations contain the
         query (case-insensitive), then those close to it in meaning, with the relations touching
         them. A query that matches nothing returns nothing."""
-        return call(ctx, lambda mem, owner: graph_result(graph.search_nodes(mem, query, owner)))
+        return call(ctx, lambda mem, owner: graph_result(reference.search_nodes(mem, query, owner)))
 
     @server.tool(annotations=READ)
     def open_nodes(names: Annotated[list[str], Field(description="Names of the entities to read")],
                    ctx: Context) -> Annotated[CallToolResult, GraphResult]:
         """Read entities by name, with the relations touching them; unknown names are skipped."""
-        return call(ctx, lambda mem, owner: graph_result(graph.open_nodes(mem, names, owner)))
+        return call(ctx, lambda mem, owner: graph_result(reference.open_nodes(mem, names, owner)))
 
     # -- the real knowledge graph (docs/graph.md) ---------------------------------------------
 
     @server.tool(annotations=READ)
     def entity(name: Annotated[str, Field(max_length=256, description="A name, alias or entity id")],
-               ctx: Context) -> Annotated[CallToolResult, graph.EntityResult]:
+               ctx: Context) -> Annotated[CallToolResult, wire.EntityResult]:
         """What is known about one entity: type, aliases, summary, the relations that hold now
         and the messages that mention it most recently."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
-            out = graph.entity_result(mem.entity(name, user_id=owner.user_id))
+            out = wire.entity_result(mem.entity(name, user_id=owner.user_id))
             return _text_result(wire.dump(out), out)
         return call(ctx, run)
 
@@ -362,13 +364,13 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
         predicate: Annotated[str | None, Field(max_length=128, description="e.g. works_at")] = None,
         object: Annotated[str | None, Field(max_length=1024, description="A name or a value")] = None,
         as_of: Annotated[str | None, Field(description="ISO-8601: what held then")] = None,
-    ) -> Annotated[CallToolResult, graph.RelationsResult]:
+    ) -> Annotated[CallToolResult, wire.RelationsResult]:
         """The knowledge graph's subject / predicate / object query: the relations that hold
         now (or at `as_of`) matching every part given."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
             found = mem.relations(subject, predicate, object, as_of=as_of,
                                   user_id=owner.user_id)
-            out = graph.relations_result(found)
+            out = wire.relations_result(found)
             return _text_result(wire.dump(out), out)
         return call(ctx, run)
 
@@ -376,10 +378,10 @@ def build_server(resolve: Callable[[], Memory], *, user_id: str = "default",
     def neighbours(name: Annotated[str, Field(max_length=256, description="A name or alias")],
                    ctx: Context,
                    depth: Annotated[int, Field(ge=1, le=4, description="Hops (1-4)")] = 1,
-                   ) -> Annotated[CallToolResult, graph.NeighboursResult]:
+                   ) -> Annotated[CallToolResult, wire.NeighboursResult]:
         """The entity and every entity within `depth` hops, with the relations between them."""
         def run(mem: Memory, owner: Scope) -> CallToolResult:
-            out = graph.neighbours_result(mem.neighbours(name, depth=depth, user_id=owner.user_id))
+            out = wire.neighbours_result(mem.neighbours(name, depth=depth, user_id=owner.user_id))
             return _text_result(wire.dump(out), out)
         return call(ctx, run)
 

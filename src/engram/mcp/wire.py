@@ -10,8 +10,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from ..model import Hit, MemoryRecord
-from . import graph
+from ..graph import reference as graph
+from ..model import EntityProfile, Hit, MemoryRecord, Subgraph
+from ..model import Relation as RealRelation
 
 Kind = Literal["semantic", "episodic", "procedural"]
 
@@ -117,6 +118,47 @@ class ContextResult(BaseModel):
     memory_ids: list[str] = Field(description="the memories it holds")
 
 
+# -- wire shapes: the real knowledge graph's tools (entity, relations, neighbours) -----------------
+
+class GraphEntity(BaseModel):
+    id: str
+    name: str
+    type: str
+    aliases: list[str]
+    summary: str
+
+
+class GraphRelation(BaseModel):
+    id: str
+    subject: str
+    predicate: str
+    object: str
+    fact: str
+    valid_from: str | None
+    valid_to: str | None
+
+
+class GraphMention(BaseModel):
+    id: str
+    text: str
+    name: str | None
+    observed_at: str | None
+
+
+class EntityResult(GraphEntity):
+    relations: list[GraphRelation]
+    mentions: list[GraphMention]
+
+
+class RelationsResult(BaseModel):
+    relations: list[GraphRelation]
+
+
+class NeighboursResult(BaseModel):
+    entities: list[GraphEntity]
+    relations: list[GraphRelation]
+
+
 # -- translation ----------------------------------------------------------------------------------
 
 def _iso(value: datetime | None) -> str | None:
@@ -156,3 +198,15 @@ def dump(value: BaseModel | list[Any]) -> Any:
 def graph_out(g: graph.Graph) -> GraphResult:
     return GraphResult(entities=[entity_out(e) for e in g.entities],
                        relations=[relation_out(r) for r in g.relations])
+
+
+def entity_result(profile: EntityProfile) -> EntityResult:
+    return EntityResult.model_validate(profile.to_dict())
+
+
+def relations_result(relations: list[RealRelation]) -> RelationsResult:
+    return RelationsResult(relations=[GraphRelation.model_validate(r.to_dict()) for r in relations])
+
+
+def neighbours_result(sub: Subgraph) -> NeighboursResult:
+    return NeighboursResult.model_validate(sub.to_dict())
