@@ -52,8 +52,8 @@ def examples() -> str:
     folder = ROOT / "examples"
     intro = (folder / "README.md").read_text(encoding="utf-8")
     out = [REPO_LINK.sub(lambda m: f"](#{_anchor(m.group(1))})", intro).rstrip(), ""]
-    for path in sorted(p for p in folder.iterdir() if p.suffix in LANGUAGES):
-        out += [f"## {path.name}", "", f"```{LANGUAGES[path.suffix]}",
+    for path in sorted(p for p in folder.rglob("*") if p.suffix in LANGUAGES):
+        out += [f"## {path.relative_to(folder)}", "", f"```{LANGUAGES[path.suffix]}",
                 path.read_text(encoding="utf-8").rstrip(), "```", ""]
     return "\n".join(out)
 
