@@ -210,3 +210,37 @@ def test_a_bad_graph_or_session_line_is_refused_and_nothing_is_written(
         good = tmp_path / "good.jsonl"
         good.write_text("\n".join(lines) + "\n", encoding="utf-8")
         assert mem.import_(good) == 1 and mem.entities(user_id="ana")
+
+
+@pytest.mark.parametrize("kind", sorted(STORES))
+def test_the_service_moves_the_graph_and_sessions_between_tenants(
+        kind: str, tmp_path: Path, embedder: MiniLM) -> None:
+    from server_kit import service
+
+    url = PG.database_for(tmp_path) if kind == "postgres" else None
+    with service(tmp_path, embedder, database_url=url) as svc:
+        assert svc.call("a-admin", "POST", "/v1/sessions", json={
+            "user_id": "ana", "session_id": "trip"}).status_code == 201
+        assert svc.call("a-admin", "POST", "/v1/sessions/trip/messages", params={"user_id": "ana"},
+                        json={"messages": [{"role": "user", "content": "Rui and I go to Porto"}]}
+                        ).status_code == 201
+        assert svc.call("a-admin", "POST", "/v1/relations", json={
+            "subject": "Ana", "predicate": "works_at", "object": "Clinic", "user_id": "ana"}
+                        ).status_code == 201
+        export = svc.call("a-admin", "GET", "/v1/export", params={"user_id": "ana"})
+        assert export.status_code == 200
+        r = svc.call("b-admin", "POST", "/v1/import", content=export.content,
+                     headers={"Content-Type": "application/x-ndjson"})
+        assert r.status_code == 200 and r.json() == {"imported": 1}
+
+        def seen(who: str) -> tuple[Any, ...]:
+            rels = svc.call(who, "GET", "/v1/relations", params={"user_id": "ana"}).json()
+            ents = svc.call(who, "GET", "/v1/entities", params={"user_id": "ana"}).json()
+            sessions = svc.call(who, "GET", "/v1/sessions", params={"user_id": "ana"}).json()
+            return ([(x["subject"], x["predicate"], x["object"], x["id"]) for x in rels["items"]],
+                    sorted((e["name"], e["id"]) for e in ents["items"]),
+                    [(s["scope"], s["created_at"]) for s in sessions["items"]])
+
+        assert seen("b-member") == seen("a-member")
+        assert seen("b-member")[0][0][:3] == ("Ana", "works_at", "Clinic")
+        assert seen("b-member")[2]
