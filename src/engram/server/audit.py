@@ -34,7 +34,6 @@ from ..store.sqlite import Connections
 from .auth import Principal, require_admin
 from .guard import PRINCIPAL
 from .routes import COMMON, Context
-from .tenants import private_file
 
 log = logging.getLogger("engram.audit")
 
@@ -96,8 +95,6 @@ class SQLiteAuditLog:
     """The audit table in its own SQLite file, over the store's connection layer."""
 
     def __init__(self, path: Path, key: str | None = None) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        private_file(path)  # 0600, like the tenants' databases and keys.db
         self._db = Connections(path, busy_timeout_s=10.0, label=f"the audit log {path}", key=key)
         with self._db.transaction() as conn:
             conn.execute("CREATE TABLE IF NOT EXISTS audit (id TEXT PRIMARY KEY, at REAL NOT NULL, "

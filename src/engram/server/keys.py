@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import InvalidInput, NotFound, StoreUnavailable
 from ..model import utcnow
 from ..store.sqlite import Connections
-from .tenants import private_file
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -125,7 +124,6 @@ class SQLiteKeyStore:
         self.path = Path(path)
         self._db = Connections(self.path, busy_timeout_s=10.0, label=f"the key store {self.path}")
         try:
-            private_file(self.path)  # 0600: digests of every key, and who they belong to
             with self._db.transaction() as conn:
                 conn.execute(_SQLITE_SCHEMA)
         except OSError as exc:

@@ -12,12 +12,10 @@ most one chunk, not by the whole flood.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 
@@ -25,7 +23,7 @@ from .. import Memory
 from ..config import Config
 from ..errors import StoreUnavailable
 from ..providers.embedders import Embedder, choose, get_embedder
-from ..store import Stores, tenant_path
+from ..store import Stores
 
 CHUNK = 32  # texts embedded per turn: ~0.1-0.3 s of MiniLM on a 2-core machine
 EMBED_SLOTS = 2  # turns at the embedder at once
@@ -95,18 +93,6 @@ class TenantEmbedder:
         return parts[0] if len(parts) == 1 else np.vstack(parts)
 
 
-def private_file(path: Path) -> None:
-    """Create a database file readable by its owner only (0600), whatever the umask: SQLite
-    gives its -wal and -shm files the mode of the database file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:  # O_EXCL: a file that exists (perhaps open here through SQLite) is never opened
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return
-    os.fchmod(fd, 0o600)
-    os.close(fd)
-
-
 class Tenants:
     """`embedder`: the one every tenant shares; None: the configured one, by name, and with
     `auto` the one each tenant's database was made with (a tenant whose database predates
@@ -133,8 +119,6 @@ class Tenants:
             mem = self._open.get(tenant)
             if mem is None:
                 try:
-                    if not self.config.database_url:
-                        private_file(tenant_path(self.config.path, tenant))
                     store = self._stores.open(tenant)
                     try:
                         recorded = store.space()

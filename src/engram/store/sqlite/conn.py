@@ -93,6 +93,21 @@ def _salted(conn: sqlite3.Connection, key: str) -> bytes:
     return bytes.fromhex(row[0]) if row and row[0] else b""
 
 
+def private_file(path: Path) -> None:
+    """Create a database file readable by its owner only (0600), whatever the umask: SQLite
+    gives its -wal and -shm files the mode of the database file. A file that exists is left
+    alone, and never opened (O_EXCL): this process may hold it through SQLite."""
+    if str(path) == ":memory:":
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.fchmod(fd, 0o600)
+    os.close(fd)
+
+
 def is_busy(exc: Exception) -> bool:
     """Is it SQLite saying another connection holds the lock (not another failure)?"""
     return "locked" in str(exc) or "busy" in str(exc)
@@ -176,6 +191,7 @@ class Connections:
         self.label = label or str(path)
         self.key = key
         self._closed = False
+        private_file(path)
         self._reset()
         _OPEN.add(self)
 
