@@ -2,7 +2,7 @@
 
 Each pair is two names with types (and the aliases the known one has); `same` says whether they
 are one entity. Each pair is resolved twice — a against a store holding b, and b against a store
-holding a — with the staged resolution of engram.pipeline.graph and the real local embedder.
+holding a — with the staged resolution of engram.graph.rules and the real local embedder.
 Ambiguous cases are kept apart without an LLM, or asked with `--llm-base-url`.
 
     python bench/entities.py [--data tests/data/entity_pairs.jsonl] [--llm-base-url URL] [--json]
@@ -21,9 +21,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from engram.graph import rules as g
+from engram.graph.entities import ask
 from engram.model import Entity, Scope
-from engram.pipeline import graph as g
-from engram.pipeline.entities import ask
 from engram.providers.embedders import get_embedder
 from engram.providers.llms import LLM, OpenAICompatible
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from engram import Config, EventType, InvalidInput, Memory, NotFound, Relation, Scope
+from engram.graph import rules as g
 from engram.model import new_id
-from engram.pipeline import graph as g
 from engram.providers.llms import LLM, ScriptedLLM
 
 T = datetime(2020, 1, 1, tzinfo=UTC)

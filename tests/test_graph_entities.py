@@ -22,9 +22,9 @@ import pytest
 
 from conftest import STORES
 from engram import AsyncMemory, Config, EventType, Memory, NotFound
+from engram.graph import entities as ents
+from engram.graph import rules as g
 from engram.model import Entity, Relation, Scope, new_id
-from engram.pipeline import entities as ents
-from engram.pipeline import graph as g
 from engram.providers.llms import LLMS, ScriptedLLM, register_llm
 
 T = datetime(2020, 1, 1, tzinfo=UTC)
@@ -187,7 +187,7 @@ WRITER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
     from engram import Memory
-    from engram.pipeline import entities
+    from engram.graph import entities
 
     target, name, ready, go, resolved = sys.argv[1:6]
     if target.startswith("postgresql"):

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engram.pipeline import graph as g
+from engram.graph import rules as g
 
 CORPUS = Path(__file__).parent / "data" / "entity_pairs.jsonl"
 

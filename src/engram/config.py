@@ -132,7 +132,7 @@ class Config:
                                f"not {self.redact!r} (ENGRAM_REDACT)")
     # -- end of redaction ---------------------------------------------------------------------------
 
-    # -- The knowledge graph (ENGRAM_GRAPH_*; pipeline/graph.py, docs/graph.md) --------------------
+    # -- The knowledge graph (ENGRAM_GRAPH_*; graph/rules.py, docs/graph.md) --------------------
     # Predicates with one current value per subject (a new value closes the old edge) beyond the
     # declared defaults (works_at, lives_in, ...), and predicates to treat as many-valued even
     # if declared single. Comma-separated names in the environment.

@@ -17,8 +17,9 @@ from typing import Any
 
 from . import validate as valid
 from .errors import InvalidInput
+from .graph import entities
 from .model import Kind, MemoryRecord, Scope
-from .pipeline import entities, read
+from .pipeline import read
 from .pipeline.engine import Engine
 from .providers.tokens import Tokenizer, get_tokenizer
 from .working.policies import View, as_data, fit, quote, render_call, safe_starts

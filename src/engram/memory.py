@@ -22,6 +22,7 @@ from . import jobs, logs, transfer
 from . import validate as valid
 from .config import Config
 from .errors import InvalidInput
+from .graph import entities
 from .model import (
     UNSET,
     AddResult,
@@ -42,7 +43,7 @@ from .model import (
     Unset,
     utcnow,
 )
-from .pipeline import entities, erase, learn, read, retention, write
+from .pipeline import erase, learn, read, retention, write
 from .pipeline import extract as extraction
 from .pipeline import reindex as reindexing
 from .pipeline.engine import Engine
@@ -334,7 +335,7 @@ class Memory:
         ids)."""
         return read.history(self.store, id, valid.scope(user_id, agent_id, session_id))
 
-    # -- the knowledge graph (pipeline/entities.py, docs/graph.md) ----------------------------
+    # -- the knowledge graph (graph/entities.py, docs/graph.md) -- ----------------------------
 
     def relate(self, subject: str, predicate: str, object: str | int | float | datetime, *,
                valid_from: datetime | str | None = None, valid_to: datetime | str | None = None,

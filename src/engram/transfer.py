@@ -22,6 +22,8 @@ import numpy as np
 
 from . import validate as valid
 from .errors import EngramError, InvalidImport
+from .graph import entities as graph_entities
+from .graph import rules as g
 from .model import (
     Entity,
     Event,
@@ -34,9 +36,7 @@ from .model import (
     Session,
     utcnow,
 )
-from .pipeline import entities as graph_entities
 from .pipeline import extract as extraction
-from .pipeline import graph as g
 from .pipeline.engine import Engine
 from .pipeline.index import Keys, index
 from .pipeline.text import content_hash

@@ -182,7 +182,7 @@ def test_a_database_made_before_the_graph_upgrades(tmp_path: Any, monkeypatch: A
 def _old_graph(d: Any, run: Any, tenant: str) -> dict[str, Any]:
     """Rows as a version before 0005 wrote them: one entity twice (two writers raced), a name
     shared by two types, and another owner's namesake."""
-    from engram.pipeline import graph as pg
+    from engram.graph import rules as pg
     from engram.store import graph as sg
 
     ana1 = ent("Ana", aliases=("Annie",), summary="a nurse", provenance=("ep1",))

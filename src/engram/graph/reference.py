@@ -42,8 +42,8 @@ from ..errors import Conflict, InvalidImport, InvalidInput, NotFound
 from ..model import Entity as RealEntity
 from ..model import Event, EventType, MemoryRecord, Scope, new_id, utcnow
 from ..model import Relation as RealRelation
-from ..pipeline import graph as g
 from ..store.base import EntitySelect, RelationSelect, Tx
+from . import rules as g
 
 if TYPE_CHECKING:
     from ..memory import Memory

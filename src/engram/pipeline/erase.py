@@ -17,10 +17,11 @@ from dataclasses import replace
 
 from .. import validate as valid
 from ..errors import NotFound
+from ..graph import entities
 from ..model import Event, EventType, Job, JobStatus, MemoryRecord, Receipt, Scope, new_id, utcnow
 from ..providers.embedders import forget_texts
 from ..store import Store, Tx
-from . import entities, fence, retrieve
+from . import fence, retrieve
 from .engine import Engine
 from .index import Keys, followers
 

@@ -22,9 +22,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from ..errors import InvalidInput
+from ..graph.rules import normalise as name_key
+from ..graph.rules import predicate_key
 from ..model import Kind, MemoryRecord, as_utc, is_pinned
-from .graph import normalise as name_key
-from .graph import predicate_key
 
 PROMPT_VERSION = "extract/2"
 

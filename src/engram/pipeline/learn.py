@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import redact as redaction
 from ..errors import InvalidInput, ProviderError
+from ..graph import entities
 from ..model import (
     AddResult,
     Event,
@@ -30,7 +31,7 @@ from ..model import (
     utcnow,
 )
 from ..store import Query, Tx
-from . import consolidate, entities
+from . import consolidate
 from . import extract as extraction
 from .engine import Engine
 from .fence import Fence

@@ -16,10 +16,11 @@ import numpy as np
 from .. import validate as valid
 from ..errors import InvalidInput, NotFound
 from ..filters import parse_filters
+from ..graph import retrieve as graph_retrieve
 from ..model import Event, Hit, Kind, MemoryRecord, Page, Scope, utcnow
 from ..redact import redact
 from ..store import Query, Store
-from . import graph_retrieve, passages
+from . import passages
 from .engine import Engine
 from .retrieve import Ranked, fuse_arrays, rank_arrays
 from .text import terms

@@ -18,10 +18,10 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import EmbeddingMismatch, InvalidInput
+from ..graph import rules as g
 from ..model import Kind, MemoryRecord, Scope
 from ..providers import embedders
 from ..store import EntitySelect, Key, Seen, Select, Space, Store
-from . import graph as g
 from . import passages
 from .engine import Engine
 from .index import WINDOW, speaker_text, window_vector

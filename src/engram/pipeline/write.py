@@ -18,6 +18,7 @@ import numpy as np
 from .. import redact as redaction
 from .. import validate as valid
 from ..errors import Conflict, InvalidInput, NotFound
+from ..graph import entities
 from ..model import (
     AddResult,
     Event,
@@ -33,7 +34,7 @@ from ..model import (
     utcnow,
 )
 from ..store import Key, Query, Tx
-from . import consolidate, entities, forget, learn
+from . import consolidate, forget, learn
 from . import extract as extraction
 from .engine import Engine
 from .fence import Fence

@@ -354,9 +354,9 @@ def _tenant(d: Dialect, alias: str) -> str:
 def merge_duplicates(d: Dialect, conn: Any) -> None:
     """Migration step (`conn`: the migration's connection, every tenant's rows in view): merge
     the entities an older version created twice (two writers naming one new entity at once;
-    `pipeline.graph.dedupe` decides which are one), move their relations and mentions to the
+    `graph.rules.dedupe` decides which are one), move their relations and mentions to the
     survivor, and give every entity its claim key, so `entities_key` can be created unique."""
-    from ..pipeline import graph as pg  # the decision is the pipeline's; this only applies it
+    from ..graph import rules as pg  # the decision is the graph's; this only applies it
 
     lead = "tenant, " if d.tenant else ""
     rows = conn.execute(f"SELECT {lead}{', '.join(ENTITY_COLUMNS)} FROM entities "

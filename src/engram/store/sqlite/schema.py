@@ -159,7 +159,7 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
             updated_at REAL NOT NULL)""",
     ]),
     # An owner's entities are unique by name (docs/graph.md, "One entity per name"): `key` is
-    # the claim a new entity is inserted under (pipeline/graph.py::claim_keys), so two writers
+    # the claim a new entity is inserted under (graph/rules.py::claim_keys), so two writers
     # naming one new entity at once end with one. Duplicates an older version made are merged
     # first. `summary_by`: who wrote the summary (summaries written so far were the caller's).
     ("0005_entity_keys", [

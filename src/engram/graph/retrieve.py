@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..model import Scope
+from ..pipeline.engine import Engine
 from ..store import Query, RelationSelect, Select
-from . import graph as g
-from .engine import Engine
+from . import rules as g
 
 HOP_DECAY = 0.5
 MENTIONS_READ = 5000  # mentions read per search at most (most recent first)

@@ -1,7 +1,7 @@
 """The knowledge graph's I/O: entity upserts with staged resolution, relations on a timeline,
 mentions linked from episodes, the graph reads, and what an erasure takes from the graph.
 
-The decisions are the pure functions of `graph.py`; this module reads their inputs from the
+The decisions are the pure functions of `rules.py`; this module reads their inputs from the
 store, spends model time (embeddings, the LLM for ambiguous names) before each write
 transaction, and writes what they decide.
 """
@@ -34,12 +34,12 @@ from ..model import (
     new_id,
     utcnow,
 )
+from ..pipeline import extract as extraction
+from ..pipeline.engine import Engine
+from ..pipeline.fence import Fence
 from ..providers.llms import LLM
 from ..store import EntitySelect, RelationSelect, Store, Tx
-from . import extract as extraction
-from . import graph as g
-from .engine import Engine
-from .fence import Fence
+from . import rules as g
 
 log = logging.getLogger("engram.memory")
 
