@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 
 from .. import validate as valid
@@ -38,14 +39,15 @@ def memory(engine: Engine, id: str, within: Scope) -> Receipt:
     rec = engine.store.get([id]).get(id)
     if rec is None or not valid.in_scope(rec.scope, within):
         raise NotFound(f"no memory with id {id!r}")
-    return _erase(engine, [rec.id], rec.scope, followers(engine, rec, None), single=rec.id)
+    return _erase(engine, lambda: [rec.id], rec.scope, followers(engine, rec, None),
+                  single=rec.id)
 
 
 def scope(engine: Engine, scope: Scope) -> Receipt:
     """Erase every memory of `scope` (None fields match anything), its sessions and jobs.
     Every episode's context lies within its own scope, so no surviving turn holds an erased
     one."""
-    return _erase(engine, engine.store.ids(scope, include_deleted=True), scope, [])
+    return _erase(engine, lambda: engine.store.ids(scope, include_deleted=True), scope, [])
 
 
 def session(engine: Engine, scope: Scope) -> Receipt:
@@ -53,26 +55,34 @@ def session(engine: Engine, scope: Scope) -> Receipt:
     of ana alone is not ana's session with an agent), its row and its jobs. NotFound when
     there is no such session."""
     store = engine.store
-    ids = store.ids(scope, include_deleted=True)
-    mine = [r.id for r in _records(store, ids).values() if r.scope == scope]
     # a session whose first add is still queued has no row yet: it is its work
-    if not mine and store.session(scope) is None and not _jobs_of(store, scope):
+    if not _session_ids(store, scope) and store.session(scope) is None \
+            and not _jobs_of(store, scope):
         raise NotFound(f"no session {scope.session_id!r} in this scope")
-    return _erase(engine, mine, scope, [], exact=True)
+    return _erase(engine, lambda: _session_ids(store, scope), scope, [], exact=True)
 
 
-def _erase(engine: Engine, ids: list[str], scope: Scope, moved: list[tuple[MemoryRecord, Keys]],
-           *, single: str | None = None, exact: bool = False) -> Receipt:
+def _session_ids(store: Store, scope: Scope) -> list[str]:
+    ids = store.ids(scope, include_deleted=True)
+    return [r.id for r in _records(store, ids).values() if r.scope == scope]
+
+
+def _erase(engine: Engine, select: Callable[[], list[str]], scope: Scope,
+           moved: list[tuple[MemoryRecord, Keys]], *, single: str | None = None,
+           exact: bool = False) -> Receipt:
     store = engine.store
-    # What was derived from the erased memories goes too: facts extracted from them and
-    # summaries of them (their provenance names the erased ids), wherever they are stored.
-    ids = [*ids, *derived(store, set(ids), scope)]
-    gone = set(ids)
-    moved = [(r, keys) for r, keys in moved if r.id not in gone]
-    kinds = Counter(r.kind.value for r in _records(store, ids).values())
     now = utcnow()
     target = "memory" if single else "session" if exact else "scope"
     with store.write() as tx:
+        # What is erased is read in the erasing transaction: a write that committed a moment
+        # before is taken, one that commits after finds the mark below (and writes nothing).
+        # What was derived from the erased memories goes too: facts extracted from them and
+        # summaries of them (their provenance names the erased ids), wherever they are stored.
+        ids = select()
+        ids = [*ids, *derived(store, set(ids), scope)]
+        gone = set(ids)
+        moved = [(r, keys) for r, keys in moved if r.id not in gone]
+        kinds = Counter(r.kind.value for r in _records(store, ids).values())
         # The fence: a write begun before this one (a job, another process's add) checks
         # this mark in its own transaction, and commits nothing into what was taken here.
         fence.leave(tx, scope, target, now)
