@@ -1,7 +1,7 @@
 """Configuration: one frozen object built once from arguments, environment and defaults.
 
-Every knob is listed in README.md's Configuration table; `Config.from_env()` is the only reader
-of `os.environ`.
+Every knob is listed in docs/configuration.md (tests/test_config.py keeps the two in step);
+`Config.from_env()` is the only reader of `os.environ`.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def serve(ctx: typer.Context,
         if workers > 1 and cfg.embed_threads is None:
             # Each worker runs its own embedder: with the default threads (one per core) each,
             # N workers oversubscribe the cores and the slowest requests wait for the others
-            # (README, "Service under load": lower p95 / p99 with the cores shared out).
+            # (bench/load.py --workers 2 measures it: lower p95 / p99 with the cores shared out).
             cfg = replace(cfg, embed_threads=max(1, (os.cpu_count() or 1) // workers))
         factory = AppFactory(cfg, not no_auth, limits, local_only=no_auth and not remote)
         if workers == 1:

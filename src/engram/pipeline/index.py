@@ -78,7 +78,7 @@ def window_vector(turns: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """A window's vector from its turns' unit vectors (oldest first), each weighted by its
     length in words: mean pooling over the joined text weighs each turn by its tokens, so
     this is close to embedding the joined text, at no model cost. LoCoMo dev: recall@10 of
-    the `hybrid` preset is unchanged (bench/locomo.py; README Benchmarks)."""
+    the `hybrid` preset is the same as with the joined text embedded (rerun bench/locomo.py)."""
     if len(turns) == 1:
         return np.asarray(turns[0], dtype=np.float32)
     mixed = (turns * lengths[:, None]).sum(axis=0)

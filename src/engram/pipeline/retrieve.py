@@ -72,7 +72,7 @@ class RetrievalConfig:
 PRESETS: dict[str, RetrievalConfig] = {
     p.name: p
     for p in (
-        # The default, tuned on the LoCoMo dev split (see bench/locomo.py and README).
+        # The default, tuned on the LoCoMo dev split: rerun bench/locomo.py after changing a weight.
         RetrievalConfig("hybrid", candidates=1000, window_weight=0.3, fact_weight=0.3,
                         speaker_boost=0.2, when_boost=0.15,
                         session_weight=0.3, recency_weight=0.01, importance_weight=0.01,

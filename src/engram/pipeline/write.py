@@ -83,7 +83,7 @@ class AddRequest:
                                "messages were given")
         chosen = valid.kind(kind) or Kind.EPISODIC
         meta = valid.metadata(metadata)
-        for m in given:  # a direct rule or pin passes the trust rules (issue 14)
+        for m in given:  # a rule or pin given directly must pass the trust rules too
             extraction.check_direct(m.content, frozenset({m.role}), chosen, {**meta, **m.metadata})
         return cls(messages=given, scope=scope, kind=chosen,
                    metadata=meta,

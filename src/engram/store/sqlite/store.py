@@ -530,7 +530,7 @@ class SQLiteStore(SQLStore):
         thread then checks what the query may see of it. The two overlap where they let go of
         the GIL (numpy, SQLite, usearch's walk), so the search takes less than their sum.
         The second dense key stays on this thread: on two cores a third thread has no core
-        to run on, and the walks are bound by memory (README, Scale: round 14). On a small
+        to run on, and the walks are bound by memory (at 1M in one scope: bench/scale.py). On a small
         scope, where each takes a millisecond or two, handing over costs more than it saves
         (LoCoMo's p95 12-13 ms rose to 16-17). Not during the query's embedding either: ONNX
         Runtime's threads take the cores then. A search that finds the helper taken by another
@@ -574,8 +574,8 @@ class SQLiteStore(SQLStore):
         index missed, but whose exact cosine beats the list's last, joins it, as it would in an
         exact search. The index can miss a small cluster of memories far from the rest of the
         scope (a conversation among a million others); its words or the other key still bring
-        them to the pool. LoCoMo in a 1M haystack (README): R@10 0.579 -> 0.711, the exact
-        scan's 0.698; at 100k, the exact scan's recall."""
+        them to the pool. LoCoMo in a 1M haystack (bench/locomo.py --distractors): R@10 0.579 ->
+        0.711, the exact scan's 0.698; at 100k, the exact scan's recall."""
         # the first quarter of each list: a candidate lower in all of them does not reach the
         # results, and scoring every candidate cost ~14 ms a search at 1M (a quarter: ~2 ms)
         pool = list(dict.fromkeys(mid for hits in found.values() for mid, _ in hits[:k // 4]))
