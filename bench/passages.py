@@ -131,7 +131,7 @@ def main() -> None:
                 sums["text"] += recall([mids[m] for m, _ in text], gold)
                 hits = mem.search(q["question"], user_id=scope.user_id, limit=10)
                 sums["passages"] += recall([h.memory.metadata["mid"] for h in hits], gold)
-                by_passage += sum(passages.KEY in h.explain for h in hits)
+                by_passage += sum("dense" not in h.explain for h in hits)
         out["questions"] = count
         out["hits_by_a_passage"] = round(by_passage / (10 * count), 3)
         for label, total in sums.items():

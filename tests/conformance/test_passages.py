@@ -65,16 +65,17 @@ def test_a_long_memory_is_found_by_a_sentence_past_the_window(dense_mem: Memory)
     assert key_count(dense_mem.store, long_id, passages.KEY) >= 3
     hits = dense_mem.search(QUESTION, user_id="u", limit=3)
     assert hits[0].memory.id == long_id
-    # explained: the dense score is the cosine of a passage, the last one (the jam sentence)
+    # explained: the dense contribution is that of a passage, the last one (the jam sentence)
     n = key_count(dense_mem.store, long_id, passages.KEY)
-    assert hits[0].explain[passages.KEY] == n
+    assert "dense" not in hits[0].explain
+    assert hits[0].explain[passages.name(n)] == hits[0].explain["fused"] == 1.0
 
 
 def test_a_short_memory_has_no_passages_and_no_passage_explanation(dense_mem: Memory) -> None:
     ids = add_all(dense_mem, *SHORT)
     assert all(key_count(dense_mem.store, i, passages.KEY) == 0 for i in ids)
     hits = dense_mem.search("deployment of service 3", user_id="u", limit=3)
-    assert hits and all(passages.KEY not in h.explain for h in hits)
+    assert hits and all(set(h.explain) == {"dense", "fused", "score"} for h in hits)
 
 
 def test_the_lexical_index_keeps_the_whole_text(tmp_path: Path, embedder: MiniLM) -> None:

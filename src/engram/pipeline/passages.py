@@ -116,16 +116,21 @@ def of(embedder: Any, records: Sequence[MemoryRecord]) -> dict[str, list[str]]:
 
 def explain(store: Store, hits: Sequence[tuple[str, float, dict[str, float]]],
             won: Mapping[str, float], vector: np.ndarray) -> None:
-    """Name, in the explanation of each hit whose dense score is a passage's (`won`), which
-    passage it was: "passage": n, counted from 1 (the `text` key being the window before the
-    first)."""
+    """In the explanation of each hit whose dense score is a passage's (`won`), that
+    contribution under the passage's name instead of "dense": "passage 3" is the third window
+    after the one the `text` key holds. The entries still add up to the fused score."""
     shown = [mid for mid, _, explain in hits if mid in won and "dense" in explain]
     if not shown:
         return
     found = store.key_vectors(shown, KEY)
     for mid, _, explain in hits:
         if mid in found:
-            explain[KEY] = float(np.argmax(found[mid] @ vector)) + 1
+            explain[name(int(np.argmax(found[mid] @ vector)) + 1)] = explain.pop("dense")
+
+
+def name(n: int) -> str:
+    """The explanation's name of a hit's dense contribution made by its `n`th passage."""
+    return f"{KEY} {n}"
 
 
 def closest(text: Sequence[tuple[str, float]], passage: Sequence[tuple[str, float]],
