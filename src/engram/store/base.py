@@ -110,10 +110,13 @@ class Key:
     """One retrieval key of a memory: a vector the dense search matches against.
 
     Every memory has a `text` key; an episode also has a `window` key (the turn with the two
-    before it in its session), so a turn can be found by what was being talked about.
+    before it in its session), so a turn can be found by what was being talked about; a text
+    longer than the embedder's window has a `passage` key per further window of it
+    (pipeline/passages.py). A memory may have several keys of one name (`fact`, `passage`):
+    `dense` scores it by its best.
     """
 
-    name: str  # text | window | fact
+    name: str  # text | window | fact | passage
     vector: np.ndarray
 
 
