@@ -406,7 +406,7 @@ def _by_meaning(mem: Memory, query: str, entities: Sequence[Entity], limit: int,
             owners.append(e.name)
     if not texts:
         return []
-    vectors = np.asarray(mem.embedder.embed_batch([query, *texts]), dtype=float)
+    vectors = np.vstack([_embedded(mem, [query])[0], _embedded(mem, texts)]).astype(float)
     norms = np.linalg.norm(vectors, axis=1)
     norms[norms == 0] = 1.0
     cosines = (vectors[1:] @ vectors[0]) / (norms[1:] * norms[0])
@@ -415,6 +415,25 @@ def _by_meaning(mem: Memory, query: str, entities: Sequence[Entity], limit: int,
         best[name] = max(best.get(name, -1.0), float(cos))
     ranked = sorted((n for n, c in best.items() if c >= floor), key=lambda n: -best[n])
     return ranked[:limit]
+
+
+MAX_CACHED = 100_000  # vectors of graph texts kept per Memory (about 150 MB of float32 at most)
+_vectors: weakref.WeakKeyDictionary[Any, dict[str, np.ndarray]] = weakref.WeakKeyDictionary()
+
+
+def _embedded(mem: Memory, texts: Sequence[str]) -> np.ndarray:
+    """The embeddings of `texts`, those of texts seen before from a cache kept with `mem`: a
+    search embeds only what is new since the last one (a text's vector never changes)."""
+    cache = _vectors.setdefault(mem, {})
+    missing = list(dict.fromkeys(t for t in texts if t not in cache))
+    if missing:
+        if len(cache) + len(missing) > MAX_CACHED:
+            cache.clear()
+        for i in range(0, len(missing), 256):
+            batch = missing[i:i + 256]
+            cache.update(zip(batch, np.asarray(mem.embedder.embed_batch(batch), dtype=np.float32),
+                             strict=True))
+    return np.asarray([cache[t] for t in texts])
 
 
 def entity_text(name: str, entity_type: str) -> str:
