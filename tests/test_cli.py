@@ -149,7 +149,8 @@ def test_show_history_delete_erase(db: Path, shared_embedder: embedders.MiniLM) 
 
 
 @pytest.mark.parametrize("command", ["show", "delete", "history"])
-def test_unknown_id_exits_1(db: Path, command: str) -> None:
+def test_unknown_id_exits_1(db: Path, command: str, shared_embedder: embedders.MiniLM) -> None:
+    Memory(db, embedder=shared_embedder).close()
     result = run(db, command, "no-such-id", code=1)
     assert result.stderr.strip() == "error: no memory with id 'no-such-id'"
     assert result.stdout == ""
@@ -212,7 +213,9 @@ def test_unreadable_import_exits_2(tmp_path: Path, content: str | None) -> None:
     (["search", "x", "--kind", "dream"], "'dream' is not one of"),
     (["search", "x", "--limit", "0"], "limit must be an integer"),
 ])
-def test_invalid_input_exits_2(db: Path, args: list[str], message: str) -> None:
+def test_invalid_input_exits_2(db: Path, args: list[str], message: str,
+                              shared_embedder: embedders.MiniLM) -> None:
+    Memory(db, embedder=shared_embedder).close()  # a search needs a database to refuse it
     result = run(db, *args, input="", code=2)
     assert message in " ".join(result.stderr.split())  # rich panels wrap lines
     assert result.stdout == ""

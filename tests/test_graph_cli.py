@@ -35,10 +35,10 @@ def test_relate_then_entities_entity_and_relations(tmp_path: Path) -> None:
     assert names == {"Ana", "Acme", "Globex"}
     prof = json.loads(run(db, "entity", "ana", "-u", "ana", "--json"))
     assert {r["object"] for r in prof["relations"]} == {"Globex", "34"}
-    then = json.loads(run(db, "relations", "-s", "Ana", "-p", "works_at", "--as-of",
+    then = json.loads(run(db, "relations", "--subject", "Ana", "-p", "works_at", "--as-of",
                           "2020-06-01", "-u", "ana", "--json"))
     assert [r["object"] for r in then] == ["Acme"]
-    table = run(db, "relations", "-s", "Ana", "--history", "-u", "ana")
+    table = run(db, "relations", "--subject", "Ana", "--history", "-u", "ana")
     assert "Acme" in table and "Globex" in table and "2023-01-01" in table
     assert "Globex" in run(db, "entity", "Ana", "-u", "ana")
     run(db, "entity", "Nobody", "-u", "ana", code=1)

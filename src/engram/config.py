@@ -268,6 +268,10 @@ class Config:
         if env.get("ENGRAM_LOG_LEVEL"):
             values["log_level"] = env["ENGRAM_LOG_LEVEL"]
         values.update(cls._trust_env(env))  # encryption and retention
+        if overrides.get("path") is not None and overrides.get("database_url") is None:
+            # A file named by the caller (`Memory("x.db")`, `--db x.db`) is where the data goes,
+            # never a PostgreSQL database the environment names for everything else.
+            values.pop("database_url", None)
         values.update({k: v for k, v in overrides.items() if v is not None})
         for name in ("path", "cache_dir"):
             if name in values:

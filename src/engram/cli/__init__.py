@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from . import chat, demo, graph, jobs, memories, reindex, service, sessions, transfer, trust
-from .base import DbOpt, JsonOpt, State
+from .base import DbOpt, JsonOpt, State, TenantOpt
 
 __all__ = ["app"]
 
@@ -35,16 +35,17 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def main(ctx: typer.Context, db: DbOpt = None, as_json: JsonOpt = False,
+def main(ctx: typer.Context, db: DbOpt = None, as_json: JsonOpt = False, tenant: TenantOpt = None,
          version: Annotated[bool, typer.Option(
              "--version", callback=_version, is_eager=True,
              help="Print the version and exit.")] = False) -> None:
     """Long-term memory for LLM agents, from the shell."""
-    ctx.obj = State(db, as_json)
+    ctx.obj = State(db, as_json, tenant)
 
 
 # The order here is the order of `engram --help` (groups are listed after the commands).
 app.command()(memories.add)
+app.command()(memories.update)
 app.command()(memories.search)
 app.command("list")(memories.list_memories)
 app.command()(memories.show)

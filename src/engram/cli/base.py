@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
+from typer.core import TyperOption
 
 from .. import Memory
 from ..config import Config
@@ -31,6 +32,10 @@ DbOpt = Annotated[Path | None, typer.Option(
     "--db", dir_okay=False, metavar="PATH",
     help="Database file (default: $ENGRAM_DB, else ~/.engram/engram.db).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+TenantOpt = Annotated[str | None, typer.Option(
+    "--tenant", metavar="NAME",
+    help="Read and write a service tenant's memories (what a keyed `engram serve` stored "
+         "for the tenant of an API key).")]
 UserOpt = Annotated[str | None, typer.Option(
     "--user", "-u", metavar="ID", help="Scope: user id.")]
 AgentOpt = Annotated[str | None, typer.Option(
@@ -50,12 +55,24 @@ LimitOpt = Annotated[int, typer.Option(
 class State:
     db: Path | None = None
     json: bool = False
+    tenant: str | None = None
 
 
 def state(ctx: typer.Context, db: Path | None, as_json: bool) -> State:
     """Command-level --db / --json win over the global ones."""
     base = ctx.obj if isinstance(ctx.obj, State) else State()
-    return State(db or base.db, as_json or base.json)
+    return State(db or base.db, as_json or base.json, base.tenant)
+
+
+def _flag_type(self: TyperOption, ctx: Any) -> str | None:
+    """A flag takes no value, so --help shows no type for it (typer 0.29 shows `<bool>`)."""
+    if self.is_flag and self.metavar is None:
+        return None
+    return _value_type(self, ctx)
+
+
+_value_type = TyperOption.display_type_rich
+TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -101,10 +118,35 @@ def config(st: State) -> Config:
     return Config.from_env(path=st.db)
 
 
+def database(cfg: Config, tenant: str | None = None) -> str:
+    """The database a config names, as shown to a user: the SQLite file (the tenant's own, for
+    a tenant), or the PostgreSQL URL without its password."""
+    from ..store import tenant_path
+
+    if cfg.database_url is None:
+        return str(tenant_path(cfg.path, tenant))
+    from urllib.parse import urlsplit, urlunsplit
+
+    url = urlsplit(cfg.database_url)
+    if url.password is None:
+        return cfg.database_url
+    netloc = f"{url.username}:***@{url.hostname}" + (f":{url.port}" if url.port else "")
+    return urlunsplit(url._replace(netloc=netloc))
+
+
 @contextmanager
-def open_memory(st: State) -> Iterator[Memory]:
+def open_memory(st: State, *, existing: bool = True) -> Iterator[Memory]:
+    """`Memory` over the database the options name. `existing`: it must exist already (a
+    command that only reads or changes what is there: a typo in --db is then an error, not a
+    new empty database and its folders); commands that add (add, import, relate, demo,
+    chat, worker) pass False."""
     with guard():
-        mem = Memory(config=config(st))
+        cfg = config(st)
+        if existing and cfg.database_url is None and not Path(database(cfg, st.tenant)).exists():
+            whose = f" for tenant {st.tenant!r}" if st.tenant else ""
+            raise NotFound(f"no database at {database(cfg, st.tenant)}{whose} (engram add "
+                           "creates one; is --db or ENGRAM_DB misspelt?)")
+        mem = Memory(config=cfg, tenant=st.tenant)
         try:
             yield mem
         finally:

@@ -103,7 +103,8 @@ def _delete(st: State, name: str, user: str | None, agent: str | None, yes: bool
 
 
 def relations(ctx: typer.Context,
-              subject: Annotated[str | None, typer.Option("--subject", "-s", help="A name.")] = None,
+              # no -s: that is --session in every other command
+              subject: Annotated[str | None, typer.Option("--subject", help="A name.")] = None,
               predicate: Annotated[str | None, typer.Option("--predicate", "-p")] = None,
               object: Annotated[str | None, typer.Option("--object", "-o",
                                                           help="A name or a value.")] = None,
@@ -138,7 +139,7 @@ def relate(ctx: typer.Context, subject: Annotated[str, typer.Argument()],
     st = state(ctx, db, as_json)
     with guard():
         start = parse_time(valid_from, "--from")
-    with open_memory(st) as mem:
+    with open_memory(st, existing=False) as mem:
         rel = mem.relate(subject, predicate, object, valid_from=start, literal=literal,
                          user_id=user, agent_id=agent)
     if st.json:

@@ -1,5 +1,5 @@
-"""The memory commands of `engram`: add, search, list, show, history, delete, erase, stats and
-reflect, each one `Memory` call with its output as a rich table or, with --json, as JSON.
+"""The memory commands of `engram`: add, update, search, list, show, history, delete, erase,
+stats and reflect, each one `Memory` call with its output as a rich table or, with --json, as JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .base import (
     LimitOpt,
     SessionOpt,
     UserOpt,
+    database,
     fail,
     guard,
     open_memory,
@@ -56,6 +57,10 @@ def add(ctx: typer.Context,
             "--name", metavar="NAME",
             help="Who said it (the speaker): 'I ...' is then about NAME, and questions naming "
                  "NAME find it.")] = None,
+        supersedes: Annotated[str | None, typer.Option(
+            "--supersedes", metavar="ID",
+            help="The memory this one replaces (the world changed): the old one is closed and "
+                 "kept as history.")] = None,
         db: DbOpt = None, as_json: JsonOpt = False) -> None:
     """Remember a message (episode) or a fact."""
     st = state(ctx, db, as_json)
@@ -68,12 +73,13 @@ def add(ctx: typer.Context,
         meta = parse_json(metadata, "--metadata")
         observed = parse_time(observed_at, "--observed-at")
         expires = parse_time(expires_at, "--expires-at")
-    with open_memory(st) as mem:
+    with open_memory(st, existing=False) as mem:
         message: str | dict[str, str] = text if name is None else {"role": "user", "content": text,
                                                                    "name": name}
         result = mem.add(message, user_id=user, agent_id=agent, session_id=session, kind=kind,
                          importance=importance, infer=infer, background=background,
-                         metadata=meta, observed_at=observed, expires_at=expires)
+                         metadata=meta, observed_at=observed, expires_at=expires,
+                         supersedes=supersedes)
     if st.json:
         print_json({"memories": [m.to_dict() for m in result.memories],
                     "events": [e.to_dict() for e in result.events], "notes": list(result.notes),
@@ -81,16 +87,60 @@ def add(ctx: typer.Context,
         return
     if result.job:
         typer.echo(f"queued job {result.job.id}")
-    for note in result.notes:
-        typer.echo(note, err=True)
+    for note in result.notes:  # the library's words for an option, the command's here
+        typer.echo(note.replace("supersedes=...", "--supersedes ID"), err=True)
     touched = {e.memory_id for e in result.events}
-    verbs = {EventType.ADD: "added", EventType.MERGE: "merged into", EventType.DELETE: "evicted"}
+    verbs = {EventType.ADD: "added", EventType.MERGE: "merged into", EventType.DELETE: "evicted",
+             EventType.SUPERSEDE: "superseded"}
     for ev in result.events:
         note = f" ({ev.reason})" if ev.type is not EventType.ADD and ev.reason else ""
         typer.echo(f"{verbs.get(ev.type, ev.type.value)} {ev.memory_id}{note}")
     for rec in result.memories:
         if rec.id not in touched:
             typer.echo(f"already remembered as {rec.id}")
+
+
+def update(ctx: typer.Context, id: Annotated[str, typer.Argument(help="A memory id.")],
+           text: Annotated[str | None, typer.Option(
+               "--text", "-t", help="What it should have said all along (a correction).")] = None,
+           metadata: Annotated[str | None, typer.Option(
+               "--metadata", "-m", metavar="JSON",
+               help="A JSON object that replaces its metadata (null clears it).")] = None,
+           importance: Annotated[float | None, typer.Option(
+               "--importance", help="0 to 1.")] = None,
+           expires_at: Annotated[str | None, typer.Option(
+               "--expires-at", metavar="ISO", help="Forget it after this time ('never' clears it).")]
+           = None,
+           valid_from: Annotated[str | None, typer.Option(
+               "--valid-from", metavar="ISO", help="When it started to hold.")] = None,
+           user: UserOpt = None, agent: AgentOpt = None, session: SessionOpt = None,
+           db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Correct a memory in place (the UPDATE event keeps before and after). When the world
+    changed instead, add the new fact with --supersedes ID."""
+    st = state(ctx, db, as_json)
+    changes: dict[str, object] = {}
+    with guard():
+        if text is not None:
+            changes["text"] = text
+        if metadata is not None:
+            changes["metadata"] = parse_json(metadata, "--metadata")
+        if importance is not None:
+            changes["importance"] = importance
+        if expires_at is not None:
+            changes["expires_at"] = None if expires_at == "never" else parse_time(expires_at,
+                                                                                   "--expires-at")
+        if valid_from is not None:
+            changes["valid_from"] = parse_time(valid_from, "--valid-from")
+        if not changes:
+            raise InvalidInput("update needs at least one of --text, --metadata, --importance, "
+                               "--expires-at, --valid-from")
+    with open_memory(st) as mem:
+        rec = mem.update(id, user_id=user, agent_id=agent, session_id=session,
+                         **changes)  # type: ignore[arg-type]
+    if st.json:
+        print_json(rec.to_dict())
+    else:
+        typer.echo(f"updated {rec.id} ({', '.join(changes)})")
 
 
 def search(ctx: typer.Context,
@@ -119,7 +169,7 @@ def search(ctx: typer.Context,
     console = output.console()
     console.print(output.records_table([h.memory for h in hits], hits))
     if explain:
-        console.print(output.explain_table(hits))
+        console.print(output.explain_table(hits, fit=console))
 
 
 def list_memories(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
@@ -249,23 +299,11 @@ def stats(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
     st = state(ctx, db, as_json)
     with open_memory(st) as mem:
         counts = mem.stats(user_id=user, agent_id=agent, session_id=session)
-        path = mem.config.path
+        where = database(mem.config, st.tenant)
     if st.json:
         print_json(counts.to_dict())
         return
-    from rich.table import Table
-
-    table = Table(show_header=False, box=None)
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    table.add_row("database", output.text(str(path)))
-    for key, value in counts.to_dict().items():
-        if key == "by_kind":
-            for k in Kind:
-                table.add_row(f"  {k.value}", str(value.get(k.value, 0)))
-        else:
-            table.add_row(key, "-" if value is None else str(value))
-    output.console().print(table)
+    output.console().print(output.stats_table(where, counts.to_dict()))
 
 
 def reflect(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,

@@ -76,19 +76,75 @@ def records_table(records: Sequence[MemoryRecord], hits: Sequence[Hit] | None = 
     return table
 
 
-def explain_table(hits: Sequence[Hit], title: str = "score breakdown") -> Table:
+def explain_table(hits: Sequence[Hit], title: str = "score breakdown",
+                  fit: Console | None = None) -> Table:
+    """A hit per row and a stage per column; turned the other way (a stage per row) when that
+    would not fit the width of console `fit`: rich would cut the headers ("impor…")."""
     from rich import box
+    from rich.measure import Measurement
     from rich.table import Table
 
     present = {k for h in hits for k in h.explain}
-    columns = [s for s in STAGES if s in present] + sorted(present - set(STAGES))
-    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
-    table.add_column("#", justify="right")
-    for name in columns:
-        table.add_column(name, justify="right", style="bold" if name == "score" else None)
+    stages = [s for s in STAGES if s in present] + sorted(present - set(STAGES))
+
+    def cell(h: Hit, stage: str) -> str:
+        return f"{h.explain[stage]:.3f}" if stage in h.explain else "-"
+
+    wide = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    wide.add_column("#", justify="right")
+    for name in stages:
+        wide.add_column(name, justify="right", style="bold" if name == "score" else None)
     for i, h in enumerate(hits, start=1):
-        table.add_row(str(i), *(f"{h.explain[c]:.3f}" if c in h.explain else "-"
-                                for c in columns))
+        wide.add_row(str(i), *(cell(h, s) for s in stages))
+    if fit is None or Measurement.get(fit, fit.options.update(max_width=10_000),
+                                      wide).maximum <= fit.width:
+        return wide
+    tall = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+    tall.add_column("stage")
+    for i in range(1, len(hits) + 1):
+        tall.add_column(f"#{i}", justify="right")
+    for name in stages:
+        tall.add_row(name, *(cell(h, name) for h in hits), style="bold" if name == "score" else None)
+    return tall
+
+
+def size(n: int) -> str:
+    """Bytes as a person reads them: 248 KiB, 1.5 GiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 100 else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def stats_table(database: str, counts: dict[str, Any]) -> Table:
+    """`engram stats`: a row per count; the nested ones (memories by kind, jobs by status, the
+    retention policy) as indented rows under their heading."""
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(justify="right", overflow="fold")  # a long path folds, never cut
+    table.add_row("database", text(database))
+    for key, value in counts.items():
+        if key == "by_kind":
+            for k in Kind:
+                table.add_row(f"  {k.value}", str(value.get(k.value, 0)))
+        elif key == "retention":
+            table.add_row("retention", "")
+            for name, days in value.items():
+                kept = str(days) if name == "removed" else (
+                    "no limit" if days is None else f"{days:g} days")
+                table.add_row(f"  {name}", kept)
+        elif isinstance(value, dict):
+            table.add_row(key, "")
+            for name, count in value.items():
+                table.add_row(f"  {name}", "-" if count is None else str(count))
+        elif key == "db_bytes" and isinstance(value, int):
+            table.add_row("size", size(value))
+        else:
+            table.add_row(key, "-" if value is None else str(value))
     return table
 
 

@@ -1,5 +1,8 @@
-"""`engram sessions`: the persisted conversations of a database, listed, shown with their
-messages, or erased.
+"""`engram sessions`: the persisted conversations of a database (working memory: a policy,
+summaries, an end), started or continued a message at a time, listed, shown, or erased.
+
+A conversation's messages are episodes of its session scope. The other way round does not hold:
+`engram add --session ID` only labels memories with a session id, and starts no conversation.
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ from .base import (
     state,
 )
 
-app = typer.Typer(help="Persisted conversations: list, show, delete.", no_args_is_help=True)
+app = typer.Typer(help="Conversations (working memory, as `engram chat` holds them): add, list, "
+                       "show, delete. `engram add --session ID` only labels memories.",
+                  no_args_is_help=True)
+NO_SESSIONS = ("no sessions (a session is a conversation: `engram sessions add ID TEXT` or "
+               "`engram chat` holds one; memories added with `engram add --session ID` are "
+               "listed by `engram list --session ID`)")
 MAX_SESSIONS = 1000
 
 
@@ -63,6 +71,32 @@ def _scope_text(scope: Scope) -> str:
     return ", ".join(f"{k}={v}" for k, v in scope.as_dict().items() if v and k != "session_id") or "-"
 
 
+@app.command("add")
+def add(ctx: typer.Context,
+        session_id: Annotated[str, typer.Argument(metavar="ID", help="A session id.")],
+        text: Annotated[str, typer.Argument(help="The message.")],
+        user: UserOpt = None, agent: AgentOpt = None,
+        role: Annotated[str, typer.Option(
+            "--role", "-r", help="user, assistant, system or tool.")] = "user",
+        name: Annotated[str | None, typer.Option(
+            "--name", metavar="NAME", help="Who said it (the speaker).")] = None,
+        policy: Annotated[str | None, typer.Option(
+            "--policy", help="What a model sees of a new session: all, window, tokens, turns, "
+                             "summary, incremental, progressive (default: the stored one).")]
+        = None,
+        db: DbOpt = None, as_json: JsonOpt = False) -> None:
+    """Add a message to a conversation, starting it if it is new."""
+    st = state(ctx, db, as_json)
+    message = {"role": role, "content": text, **({"name": name} if name else {})}
+    with open_memory(st, existing=False) as mem:
+        stored = mem.session(session_id=session_id, user_id=user, agent_id=agent,
+                             policy=policy).add(message)
+    if st.json:
+        print_json([m.to_dict() for m in stored])
+    else:
+        typer.echo(f"added {', '.join(m.id for m in stored)} to session {session_id}")
+
+
 @app.command("list")
 def list_sessions(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
                   limit: LimitOpt = 50, db: DbOpt = None, as_json: JsonOpt = False) -> None:
@@ -76,7 +110,7 @@ def list_sessions(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = No
         print_json([{**s.to_dict(), "end_summary": end} for s, end in zip(found, ends, strict=True)])
         return
     if not found:
-        typer.echo("no sessions", err=True)
+        typer.echo(NO_SESSIONS, err=True)
         return
     from rich.table import Table
 
