@@ -165,3 +165,14 @@ def test_writers_at_once_keep_every_name_and_observation(gmem: Memory) -> None:
     assert sorted(by_name["Ana"].observations) == sorted(f"seen by {i}" for i in range(16))
     assert all(by_name[n].observations == (f"fact {i}",) for i, n in enumerate(names) if i)
     assert len(gmem.entities(user_id="u1")) == 1  # one real entity holds them all
+
+
+def test_observations_are_redacted_as_every_stored_text(tmp_path: Path, embedder: MiniLM) -> None:
+    key = "sk-proj-Zq7RtY2uIo9pAs4dFg6hJk1lZx3cVb8nM0qW5eRt7yUi9oPa2sD4fG6hJ8kL0"
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=None) as mem:
+        kg.create_entities(mem, [kg.Entity("Ana", "person", (f"her key is {key}",))], Scope("u"))
+        kg.add_observations(mem, [("Ana", [f"old key {key}"])], Scope("u"))
+        (ana,) = kg.read_graph(mem, Scope("u")).entities
+        assert len(ana.observations) == 2 and not any(key in o for o in ana.observations)
+        assert kg.delete_observations(mem, [("Ana", [f"old key {key}"])], Scope("u")) == (1, [])
+    assert not any(key.encode() in p.read_bytes() for p in tmp_path.iterdir() if p.is_file())

@@ -42,6 +42,7 @@ from ..errors import Conflict, InvalidImport, InvalidInput, NotFound
 from ..model import Entity as RealEntity
 from ..model import Event, EventType, MemoryRecord, Scope, new_id, utcnow
 from ..model import Relation as RealRelation
+from ..redact import redact
 from ..store.base import EntitySelect, RelationSelect, Tx
 from . import rules as g
 
@@ -159,6 +160,7 @@ def create_entities(mem: Memory, entities: Sequence[Entity], scope: Scope) -> tu
         _name(e.entity_type, "entity type")
         _observations(e.observations)
     owner = upgrade(mem, scope)
+    entities = [replace(e, observations=_redacted(mem, e.observations)) for e in entities]
     fresh, _ = _new_entities(entities, set(_view(mem, owner).names))
     # The real entities first (resolved or created, each in its own write), then, in one write,
     # the reference's records on them: a name another caller created meanwhile is skipped.
@@ -172,6 +174,12 @@ def create_entities(mem: Memory, entities: Sequence[Entity], scope: Scope) -> tu
                                "seq": new_id()}
             _put_records(tx, target, records)
     return created, skipped
+
+
+def _redacted(mem: Memory, observations: Sequence[str]) -> tuple[str, ...]:
+    """Observations as they are stored: with the secrets ENGRAM_REDACT finds replaced, as in
+    every text engram keeps (the same observation given twice compares equal again)."""
+    return tuple(redact(o, mem.config.redact).text for o in observations)
 
 
 def _real_entity(mem: Memory, e: Entity, owner: Scope) -> str:
@@ -226,6 +234,7 @@ def add_observations(mem: Memory, additions: Sequence[tuple[str, Sequence[str]]]
         _name(name, "entity name")
         _observations(contents)
     owner = upgrade(mem, scope)
+    additions = [(name, _redacted(mem, contents)) for name, contents in additions]
     with mem.store.write() as tx:
         view = _view(mem, owner)
         for name, _ in additions:
@@ -301,7 +310,7 @@ def delete_observations(mem: Memory, deletions: Sequence[tuple[str, Sequence[str
                 continue
             e = view.names[name][0]
             record = changed.setdefault(e.id, _records(e))[name]
-            drop = set(contents)
+            drop = set(contents) | set(_redacted(mem, contents))  # as stored
             kept = [o for o in record.get("observations", []) if o not in drop]
             count += len(record.get("observations", [])) - len(kept)
             record["observations"] = kept
