@@ -30,10 +30,11 @@ from engram.pipeline.fence import covers, mark, overlaps
 from engram.providers.embedders import MiniLM
 from engram.providers.llms import LLM, ScriptedLLM
 from llm_server import LlamaServer
+from server_kit import service
 
 SPAWN = multiprocessing.get_context("spawn")
 ADDS = 30  # background adds queued per trial, as in the probe
-REPLY_TOKENS = 128
+REPLY_TOKENS = 64
 BUSY = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
 _T = datetime(2025, 6, 1, tzinfo=UTC)
 
@@ -211,6 +212,33 @@ def test_a_session_with_only_queued_work_is_deleted_with_it(tmp_path: Path,
         assert mem.work(until_idle=True) == 0  # nothing left to run
         scope_is_empty(mem, "ana")
     assert in_files(folder, [text]) == []
+
+
+def test_rest_erasure_and_session_delete_take_queued_work(tmp_path: Path,
+                                                          embedder: MiniLM) -> None:
+    texts = [canary() for _ in range(2)]
+    with service(tmp_path, embedder, worker="off") as svc:
+        def add(text: str, **scope: str) -> str:
+            r = svc.call("a-admin", "POST", "/v1/memories",
+                         json={"messages": f"{text} hello", "background": True, **scope})
+            assert r.status_code == 202, r.text
+            return str(r.json()["job"]["id"])
+
+        queued = [add(texts[0], user_id="ana") for _ in range(5)]
+        r = svc.call("a-admin", "POST", "/v1/erase", json={"user_id": "ana"})
+        assert r.status_code == 200 and r.json()["receipt"]["cancelled"] == 5
+        in_session = add(texts[1], user_id="bo", session_id="s1")
+        r = svc.call("a-admin", "DELETE", "/v1/sessions/s1", params={"user_id": "bo"})
+        assert r.status_code == 204, r.text  # found by its queued work
+        for job in [*queued, in_session]:
+            assert svc.call("a-admin", "GET", f"/v1/jobs/{job}").status_code == 404
+        add("the control", user_id="cy")
+        with Memory(config=svc.config, embedder=embedder, tenant="a") as mem:
+            assert mem.work(until_idle=True) == 1  # the control's job alone was left
+            assert len(mem.store.ids(Scope("cy"))) == 1
+            scope_is_empty(mem, "ana")
+            scope_is_empty(mem, "bo")
+    assert in_files(tmp_path / "data", texts) == []
 
 
 def _chatter(config: Config, texts: list[str], log: str, started: Any) -> None:
@@ -392,47 +420,38 @@ def _reflect(config: Config, user: str, out: Any) -> None:
             out.put(f"erased {exc.covered}")
 
 
+@pytest.mark.slow  # two calls of a real model, one after the other
 def test_extraction_and_reflection_never_outlive_an_erasure(
         tmp_path: Path, embedder: MiniLM, llama: LlamaServer,
         worker_process: Callable[[Config], None]) -> None:
+    """Both calls are under way at once (the server answers one after the other): a
+    background add whose extraction (with the graph) runs in the worker process, and a
+    reflection in a third process; the user is erased while they wait for the model."""
     folder = tmp_path / "db"
     folder.mkdir()
     config = Config(path=folder / "m.db", worker="off", llm_base_url=llama.base_url,
                     llm_timeout_s=180, llm_retries=0, llm_output_retries=0)
     texts = [canary() for _ in range(2)]
     with Memory(config=Config(path=folder / "m.db", worker="off"), embedder=embedder) as mem:
+        mem.add([f"I always want {texts[0]} short answers", "Please answer in French"],
+                user_id="ana", infer=False)
         worker_process(config)
-        # extraction with the graph: a background add whose job calls the LLM in the worker
-        # process; the user is erased while the call is under way
-        job = mem.add(f"I'm Ana {texts[0]}. I started working at Acme in Lisbon last year.",
+        out = SPAWN.Queue()
+        p = SPAWN.Process(target=_reflect, args=(config, "ana", out))
+        p.start()
+        job = mem.add(f"I'm Ana {texts[1]}. I started working at Acme in Lisbon last year.",
                       user_id="ana", session_id="s1", background=True).job
         assert job is not None
+        assert out.get(timeout=120) == "started"
         assert until(lambda: mem.job(job.id).status is JobStatus.RUNNING, timeout=60)
         time.sleep(0.3)
         receipt = mem.erase_receipt(user_id="ana")
-        assert receipt.cancelled == 1
-        drained(mem, timeout=200)
+        assert (receipt.memories, receipt.cancelled) == (2, 1)
+        said = out.get(timeout=300)
+        p.join(60)
+        assert p.exitcode == 0
+        drained(mem, timeout=300)
         scope_is_empty(mem, "ana")
-        # reflection in another process, its user erased mid-call
-        outcomes: list[str] = []
-        for i, text in enumerate(texts[1:]):
-            user = f"bo{i}"
-            mem.add([f"I always want {text} short answers", "Please answer in French"],
-                    user_id=user, infer=False)
-            out = SPAWN.Queue()
-            p = SPAWN.Process(target=_reflect, args=(config, user, out))
-            p.start()
-            assert out.get(timeout=120) == "started"
-            time.sleep(0.5)
-            mem.erase(user_id=user)
-            outcomes.append(out.get(timeout=200))
-            p.join(60)
-            assert p.exitcode == 0
-            scope_is_empty(mem, user)
-        with mem.store.write() as tx:  # no entity, relation or mention of an erased user
-            left = [tx.conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[attr-defined]
-                    for t in ("entities", "relations", "mentions")]
-        assert left == [0, 0, 0]
-    assert outcomes == ["erased True"]  # the LLM answered after the erasure: nothing written
+        assert graph_rows(mem) == [0, 0, 0]  # no entity, relation or mention of ana
+    assert said == "erased True"  # the model answered after the erasure: nothing written
     assert in_files(folder, texts) == []
-

@@ -387,7 +387,10 @@ def delete_session(id: SessionId, ctx: Context, user_id: ScopeQ = None,
                    agent_id: ScopeQ = None) -> Response:
     """Erase the session: its messages, summaries and row (an admin key: this is an erasure)."""
     require_admin(ctx.principal, "deleting a session")
-    handle = _handle(ctx.mem, id, user_id, agent_id)
+    try:
+        handle = _handle(ctx.mem, id, user_id, agent_id)
+    except NotFound:  # no row yet: a session whose first messages are queued is its work
+        handle = ctx.mem.session(session_id=id, user_id=user_id, agent_id=agent_id)
     if user_id is None or agent_id is None:
         _unambiguous(ctx.mem, handle.scope, user_id, agent_id)
     handle.delete()
