@@ -322,6 +322,8 @@ def test_graph_refusals_write_nothing(mem: Memory, snapshot: Any, tmp_path: Path
         kg.create_entities(mem, [kg.Entity("Cid", "person", ("ok", "  "))], OWNER)
     with pytest.raises(InvalidInput):
         kg.open_nodes(mem, [kg.Entity("x", "y")], OWNER)
+    with pytest.raises(InvalidInput, match="ENGRAM_MAX_TEXT_CHARS"):
+        kg.add_observations(mem, [("Ana", ["x" * (mem.config.max_text_chars + 1)])], OWNER)
     assert snapshot(tmp_path / "m.db") == before
 
 

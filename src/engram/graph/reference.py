@@ -158,7 +158,7 @@ def create_entities(mem: Memory, entities: Sequence[Entity], scope: Scope) -> tu
     for e in entities:
         _name(e.name, "entity name")
         _name(e.entity_type, "entity type")
-        _observations(e.observations)
+        _observations(e.observations, mem.config.max_text_chars)
     owner = upgrade(mem, scope)
     entities = [replace(e, observations=_redacted(mem, e.observations)) for e in entities]
     fresh, _ = _new_entities(entities, set(_view(mem, owner).names))
@@ -232,7 +232,7 @@ def add_observations(mem: Memory, additions: Sequence[tuple[str, Sequence[str]]]
     _batch(additions, "observations")
     for name, contents in additions:
         _name(name, "entity name")
-        _observations(contents)
+        _observations(contents, mem.config.max_text_chars)
     owner = upgrade(mem, scope)
     additions = [(name, _redacted(mem, contents)) for name, contents in additions]
     with mem.store.write() as tx:
@@ -622,10 +622,13 @@ def _name(value: Any, what: str) -> str:
     return value
 
 
-def _observations(contents: Sequence[Any]) -> None:
+def _observations(contents: Sequence[Any], max_chars: int | None = None) -> None:
     _batch(contents, "observations of an entity")
     for o in contents:
         if not isinstance(o, str) or not o.strip():
             raise InvalidInput("an observation must be a non-empty string")
+        if max_chars is not None and len(o) > max_chars:
+            raise InvalidInput(f"an observation has {len(o)} characters; the limit is {max_chars} "
+                               "(ENGRAM_MAX_TEXT_CHARS)")
         if "\x00" in o:
             raise InvalidInput("an observation contains a NUL character")
