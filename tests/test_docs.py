@@ -14,11 +14,27 @@ from typing import Any
 
 import pytest
 
-from docblocks import ROOT, blocks, check_first_hits, expected_first_hits, run_python, run_shell
+from docblocks import (
+    ROOT,
+    WrongFirstHit,
+    blocks,
+    check_first_hits,
+    check_printed,
+    expected_first_hits,
+    printed_first_hits,
+    run_python,
+    run_shell,
+)
 
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 PYTHON_PAGES = [page for page in PAGES if blocks(page, "python")]
+# Searches whose first hit is wrong today (the ranking is being fixed elsewhere; the examples stay
+# as a user would write them). strict: the test fails once the ranking finds them.
+WRONG_FIRST_HIT = {
+    "library.md": "'I just moved to Lisbon for a new job.' outranks 'Machine learning engineer at "
+                  "a clinic.' for 'What does Ana do for work?'",
+}
 SHELL = [b for page in PAGES for b in blocks(page, "bash")]
 
 
@@ -85,9 +101,14 @@ def test_api_reference_documents_the_memory_methods(site: Path) -> None:
         assert f'id="engram.Memory.{method}"' in page
 
 
-@pytest.mark.parametrize("page", PYTHON_PAGES, ids=[p.name for p in PYTHON_PAGES])
-def test_page_python_blocks_run(page: Path, tmp_path: Path) -> None:
-    run_python(blocks(page, "python"), tmp_path)
+@pytest.mark.parametrize("page", [
+    pytest.param(p, id=p.name, marks=pytest.mark.xfail(raises=WrongFirstHit, strict=True,
+                                                       reason=WRONG_FIRST_HIT[p.name]))
+    if p.name in WRONG_FIRST_HIT else pytest.param(p, id=p.name) for p in PYTHON_PAGES])
+def test_page_python_blocks_run(page: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    found = blocks(page, "python")
+    run_python(found, tmp_path)
+    check_printed([hit for b in found for hit in printed_first_hits(b.code)], capfd.readouterr().out)
 
 
 def test_page_shell_blocks_run(tmp_path: Path) -> None:
