@@ -19,8 +19,8 @@ from engram.providers.embedders import MiniLM
 from engram.working import Summary
 from pg_server import PG
 
-# Per table: the columns compared (what is derived from them, such as keys and the full-text
-# index, is rebuilt by the import and compared through searches).
+# Per table: the columns compared (the full-text and lexical indexes, rebuilt by the import, are
+# compared through searches; the retrieval keys below).
 TABLES: dict[str, tuple[str, ...]] = {
     "memories": ("id", "user_id", "agent_id", "session_id", "kind", "text", "metadata",
                  "importance", "role", "name", "created_at", "updated_at", "observed_at",
@@ -40,6 +40,11 @@ TABLES: dict[str, tuple[str, ...]] = {
 }
 
 
+# The retrieval keys are rebuilt, not moved: the same embedder makes the same vectors.
+KEYS = ("SELECT k.memory_id, k.kind, k.vector FROM memory_keys k JOIN memories m "
+        "ON m.id = k.memory_id WHERE m.user_id = ")
+
+
 def rows(mem: Memory, where: Path | str, user: str) -> dict[str, list[tuple[Any, ...]]]:
     """Every compared row of `user`, per table, sorted (a SQLite file or a PostgreSQL db)."""
     out: dict[str, list[tuple[Any, ...]]] = {}
@@ -49,12 +54,15 @@ def rows(mem: Memory, where: Path | str, user: str) -> dict[str, list[tuple[Any,
                 found = conn.execute(f"SELECT {', '.join(cols)} FROM {table} "
                                      "WHERE user_id = ?", (user,)).fetchall()
                 out[table] = sorted(found, key=repr)
+            out["memory_keys"] = sorted(conn.execute(KEYS + "?", (user,)).fetchall(), key=repr)
         return out
     with PG.admin(where) as conn:
         for table, cols in TABLES.items():
             found = conn.execute(f"SELECT {', '.join(cols)} FROM {table} "  # type: ignore[arg-type]
                                  "WHERE user_id = %s", (user,)).fetchall()
             out[table] = sorted(found, key=repr)
+        out["memory_keys"] = sorted(conn.execute(KEYS + "%s", (user,)).fetchall(),  # type: ignore[arg-type]
+                                    key=repr)
     return out
 
 
@@ -104,7 +112,7 @@ def test_an_export_moves_everything_the_scope_owns(kind: str, tmp_path: Path,
         fill(src)
         before = rows(src, src_where, "ana")
         # every part is there to be moved (a scenario without them would prove nothing)
-        assert all(before[t] for t in TABLES), {t: len(v) for t, v in before.items()}
+        assert all(before.values()), {t: len(v) for t, v in before.items()}
         assert any(r[TABLES["sessions"].index("summary")] for r in before["sessions"])
         assert any(r[TABLES["relations"].index("valid_to")] for r in before["relations"])
         assert any(r[TABLES["events"].index("reason")] == "entity deleted" for r in before["events"])
@@ -114,7 +122,7 @@ def test_an_export_moves_everything_the_scope_owns(kind: str, tmp_path: Path,
         assert "Bob" not in out.read_text(encoding="utf-8")
         assert dst.import_(out) == memories
         assert rows(dst, dst_where, "ana") == before
-        assert rows(dst, dst_where, "bob") == {t: [] for t in TABLES}
+        assert rows(dst, dst_where, "bob") == {t: [] for t in [*TABLES, "memory_keys"]}
         assert dst.import_(out) == 0  # twice: nothing new, nothing doubled
         assert rows(dst, dst_where, "ana") == before
         # what the import rebuilt answers as the source does
@@ -206,7 +214,7 @@ def test_a_bad_graph_or_session_line_is_refused_and_nothing_is_written(
     with Memory(tmp_path / "dst.db", embedder=embedder, llm=None) as mem:
         with pytest.raises(InvalidImport):
             mem.import_(bad)
-        assert rows(mem, tmp_path / "dst.db", "ana") == {t: [] for t in TABLES}
+        assert rows(mem, tmp_path / "dst.db", "ana") == {t: [] for t in [*TABLES, "memory_keys"]}
         good = tmp_path / "good.jsonl"
         good.write_text("\n".join(lines) + "\n", encoding="utf-8")
         assert mem.import_(good) == 1 and mem.entities(user_id="ana")
