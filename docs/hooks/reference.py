@@ -8,6 +8,7 @@ service's OpenAPI document and the MCP server's tool list, so they cannot fall b
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import re
 import tempfile
@@ -95,12 +96,17 @@ def _command(path: str, command: Any, out: list[str]) -> None:
         return
     ctx = typer.Context(command, info_name=path)
     out += [f"### `{path}`" if path.count(" ") > 1 else f"## `{path}`", "",
-            (command.help or "").strip(), "", "```text", command.get_usage(ctx).strip(), "```", ""]
+            (command.help or "").strip(), "", "```text", _usage(command.get_usage(ctx)), "```", ""]
     params = [p for p in command.params if not getattr(p, "hidden", False)]
     if params:
         out += ["| parameter | type | meaning | default |", "| --- | --- | --- | --- |"]
         out += [_option_row(p) for p in params]
         out.append("")
+
+
+def _usage(text: str) -> str:
+    """typer writes arguments as `{name}`; the help and the docs say `NAME`."""
+    return re.sub(r"\{(\w+)\}", lambda m: m.group(1).upper(), text.strip())
 
 
 def cli_reference() -> str:
@@ -197,7 +203,7 @@ def mcp_reference() -> str:
         schema = tool.input_schema
         required = set(schema.get("required", []))
         hints = tool.annotations.model_dump(exclude_none=True) if tool.annotations else {}
-        out += [f"## `{tool.name}`", "", (tool.description or "").strip(), ""]
+        out += [f"## `{tool.name}`", "", inspect.cleandoc(tool.description or ""), ""]
         if hints:
             out += ["Hints: " + ", ".join(f"`{k}={json.dumps(v)}`" for k, v in hints.items()), ""]
         props = schema.get("properties", {})
@@ -206,6 +212,8 @@ def mcp_reference() -> str:
             for name, prop in props.items():
                 kind = prop.get("type") or " or ".join(
                     str(s.get("type", "object")) for s in prop.get("anyOf", []))
+                if "enum" in prop:
+                    kind = " | ".join(f"`{v}`" for v in prop["enum"])
                 default = "" if name in required else f"`{json.dumps(prop.get('default'))}`"
                 mark = " (required)" if name in required else ""
                 out.append(f"| `{name}`{mark} | {_cell(kind)} | {_cell(prop.get('description'))} "
