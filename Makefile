@@ -52,8 +52,13 @@ test: dev
 	$(VENV)/bin/mypy src
 	$(VENV)/bin/pytest
 
-# The documentation site (mkdocs.yml) into site/, warnings as errors; tests/test_docs.py builds it too.
-docs: dev
+# The documentation site (mkdocs.yml) into site/, warnings as errors; tests/test_docs.py builds it
+# too. Its tools are the docs extra (in dev as well), so it needs no llama.cpp build.
+$(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
+	$(PIP) install -q -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench-locomo: install
