@@ -18,7 +18,6 @@ from engram.cli import app as cli
 from engram.providers.embedders import MiniLM
 from engram.server.keys import Role, SQLiteKeyStore
 from engram.server.ui import views
-from engram.server.ui.sessions import Sessions, csrf_ok
 from server_kit import Service, error_code, service
 
 
@@ -231,17 +230,6 @@ def test_explain_columns_follow_the_cli_order() -> None:
             Hit(rec, 0.5, {"score": 0.5, "recency": 0.1})]
     assert views.explain_columns(hits) == ["dense", "lexical", "recency", "score", "graph"]
     assert views.number(0.12345) == "0.123" and views.number(None) == "-"
-
-
-def test_console_sessions_expire_and_are_bounded() -> None:
-    sessions = Sessions(ttl_s=0.0, max_sessions=2)
-    gone = sessions.new("secret")
-    assert sessions.get(gone.id) is None  # expired at once
-    live = Sessions(max_sessions=2)
-    first, second, third = live.new(), live.new("k"), live.new()
-    assert live.get(first.id) is None and live.get(second.id) is second and live.get(third.id) is third
-    assert csrf_ok(second, second.csrf) and not csrf_ok(second, third.csrf) and not csrf_ok(None, "x")
-    assert not csrf_ok(second, None) and live.get("x" * 500) is None
 
 
 def test_a_neighbourhood_is_drawn_on_rings_around_its_entity() -> None:

@@ -28,6 +28,8 @@ from .errors import (
     InvalidInput,
     KeyReused,
     NotFound,
+    StoreBusy,
+    StoreUnavailable,
 )
 from .model import AddResult, Job, JobStatus, Kind, Scope, new_id, utcnow
 from .pipeline import extract as extraction
@@ -41,6 +43,7 @@ log = logging.getLogger("engram.memory")
 JOB_LEASE_S = 300  # a claimed job whose worker died is run again after this
 RETRY_AFTER_S = 1.0  # the least a caller is asked to wait before asking again
 RETENTION_EVERY_S = 3600.0  # how often an idle worker enforces the retention policy
+OUTAGE_WAIT_S = 10.0  # the longest a worker waits between two claims while the database is away
 FENCE_TRIES = 3  # an add a partial erasure fenced is run again, at most this many times in all
 
 
@@ -244,16 +247,31 @@ class Queue:
         """Claim and run jobs until `stop` (or, `until_idle`, until none is runnable)."""
         stop = stop or threading.Event()
         ran = 0
+        outage = 0  # tries in a row that found the database away
         while not stop.is_set():
             now = utcnow()
-            job = self.engine.store.claim_job(now, now + timedelta(seconds=JOB_LEASE_S))
+            try:
+                job = self.engine.store.claim_job(now, now + timedelta(seconds=JOB_LEASE_S))
+                if job is not None:
+                    self.run(job)
+            except (StoreBusy, StoreUnavailable) as exc:
+                if until_idle:  # a caller waiting for the end hears why it came early
+                    raise
+                # The database restarted or is away: wait for it rather than end the worker,
+                # which would leave this process's jobs queued until someone queued another.
+                # A job whose end could not be written is run again when its lease ends.
+                outage += 1
+                if outage == 1:
+                    log.warning("the job worker waits for the database: %s", exc)
+                stop.wait(min(poll_s * 2 ** min(outage, 6), OUTAGE_WAIT_S))
+                continue
+            outage = 0
             if job is None:
                 self._retain()  # when idle: retention (at most every RETENTION_EVERY_S)
                 if until_idle:
                     break
                 stop.wait(poll_s)
                 continue
-            self.run(job)
             ran += 1
         return ran
 

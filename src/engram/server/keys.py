@@ -4,12 +4,17 @@ Only a SHA-256 digest of each key is stored (the key itself is shown once, at cr
 is 32 random bytes, so a fast hash is enough — there is nothing to brute-force. The keys live
 in a small table beside the memories: `keys.db` next to the SQLite default, or the
 `engram_api_keys` table when ENGRAM_DATABASE_URL points at PostgreSQL.
+
+The console's logins live beside the keys they were made with (`console_logins`,
+`engram_console_logins`), so every service process and node finds them, and each lookup checks
+its key in the same statement: a revoked key ends its logins at once (server/ui/sessions.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +58,21 @@ class ApiKey:
                 "revoked_at": self.revoked_at.isoformat() if self.revoked_at else None}
 
 
+@dataclass(frozen=True)
+class ConsoleLogin:
+    """A console login as stored: the digest of its cookie (never the cookie, never the API
+    key), the key it was made with, and the CSRF token of its forms."""
+
+    digest: str
+    key_id: str
+    tenant: str
+    role: Role
+    csrf: str
+
+
+MAX_LOGINS_PER_KEY = 100  # a key's oldest logins go first: logging in in a loop cannot grow the table
+
+
 class KeyStore(Protocol):
     def create(self, tenant: str, role: str | Role = Role.MEMBER, name: str = "") -> tuple[ApiKey, str]:
         """A new key: the stored record, and the secret to hand to the caller (shown once)."""
@@ -63,7 +83,17 @@ class KeyStore(Protocol):
     def list(self, tenant: str | None = None) -> list[ApiKey]: ...
 
     def revoke(self, id: str) -> ApiKey:
-        """Revoke a key by id (idempotent); NotFound if there is no such key."""
+        """Revoke a key by id (idempotent), ending its console logins; NotFound if there is
+        no such key."""
+
+    def add_login(self, login: ConsoleLogin, ttl_s: float) -> None:
+        """Store a console login for `ttl_s` seconds (expired logins are dropped on the way)."""
+
+    def find_login(self, digest: str) -> ConsoleLogin | None:
+        """The unexpired login with this digest, if its key is still live; else None."""
+
+    def end_login(self, digest: str) -> None:
+        """Delete a login (idempotent)."""
 
     def ping(self) -> None:
         """Raise StoreUnavailable unless the database answers (the service's readiness)."""
@@ -103,7 +133,7 @@ def _new_key(tenant: str, role: Role, name: str) -> tuple[ApiKey, str]:
 
 # -- SQLite ------------------------------------------------------------------------------------
 
-_SQLITE_SCHEMA = """
+_SQLITE_SCHEMA = ("""
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY,
     digest TEXT NOT NULL UNIQUE,
@@ -112,8 +142,40 @@ CREATE TABLE IF NOT EXISTS api_keys (
     name TEXT NOT NULL,
     created_at REAL NOT NULL,
     revoked_at REAL
-)
-"""
+)""", """
+CREATE TABLE IF NOT EXISTS console_logins (
+    digest TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    role TEXT NOT NULL,
+    csrf TEXT NOT NULL,
+    expires_at REAL NOT NULL
+)""", "CREATE INDEX IF NOT EXISTS console_logins_key ON console_logins (key_id)")
+
+# The statements on logins, written once for both databases ({m}: the placeholder, {now}: the
+# database's current time). A login is found only with its key, and only while the key is live.
+_FIND_LOGIN = """
+SELECT l.digest, l.key_id, l.tenant, l.role, l.csrf FROM {logins} l JOIN {keys} k ON k.id = l.key_id
+WHERE l.digest = {m} AND l.expires_at > {now} AND k.revoked_at IS NULL"""
+_DROP_EXPIRED = "DELETE FROM {logins} WHERE expires_at <= {now}"
+_ADD_LOGIN = "INSERT INTO {logins} VALUES ({m}, {m}, {m}, {m}, {m}, {expires})"
+_TRIM_LOGINS = """
+DELETE FROM {logins} WHERE key_id = {m} AND digest NOT IN (
+    SELECT digest FROM {logins} WHERE key_id = {m} ORDER BY expires_at DESC LIMIT {m})"""
+_END_LOGIN = "DELETE FROM {logins} WHERE digest = {m}"
+_END_KEY_LOGINS = "DELETE FROM {logins} WHERE key_id = {m}"
+
+
+def _login_sql(template: str, *, logins: str, keys: str, m: str, now: str, expires: str) -> str:
+    return template.format(logins=logins, keys=keys, m=m, now=now, expires=expires)
+
+
+def _login_params(login: ConsoleLogin) -> tuple[str, str, str, str, str]:
+    return (login.digest, login.key_id, login.tenant, login.role.value, login.csrf)
+
+
+def _row_to_login(row: Any) -> ConsoleLogin:
+    return ConsoleLogin(digest=row[0], key_id=row[1], tenant=row[2], role=Role(row[3]), csrf=row[4])
 
 
 class SQLiteKeyStore:
@@ -125,7 +187,8 @@ class SQLiteKeyStore:
         self._db = Connections(self.path, busy_timeout_s=10.0, label=f"the key store {self.path}")
         try:
             with self._db.transaction() as conn:
-                conn.execute(_SQLITE_SCHEMA)
+                for stmt in _SQLITE_SCHEMA:
+                    conn.execute(stmt)
         except OSError as exc:
             raise StoreUnavailable(f"cannot open the key store {self.path}: {exc}") from exc
 
@@ -155,10 +218,32 @@ class SQLiteKeyStore:
         with self._db.transaction() as conn:
             conn.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
                          (utcnow().timestamp(), id))
+            conn.execute(self._sql(_END_KEY_LOGINS), (id,))
             rows = conn.execute(f"SELECT {_COLUMNS} FROM api_keys WHERE id = ?", (id,)).fetchall()
         if not rows:
             raise NotFound(f"no API key with id {id!r}")
         return _row_to_key(rows[0])
+
+    @staticmethod
+    def _sql(template: str) -> str:
+        # times are Unix seconds of this machine's clock (every process on the file shares it)
+        return _login_sql(template, logins="console_logins", keys="api_keys", m="?", now="?",
+                          expires="?")
+
+    def add_login(self, login: ConsoleLogin, ttl_s: float) -> None:
+        now = time.time()
+        with self._db.transaction() as conn:
+            conn.execute(self._sql(_DROP_EXPIRED), (now,))
+            conn.execute(self._sql(_ADD_LOGIN), (*_login_params(login), now + ttl_s))
+            conn.execute(self._sql(_TRIM_LOGINS), (login.key_id, login.key_id, MAX_LOGINS_PER_KEY))
+
+    def find_login(self, digest: str) -> ConsoleLogin | None:
+        rows = self._db.read(self._sql(_FIND_LOGIN), (digest, time.time()))
+        return _row_to_login(rows[0]) if rows else None
+
+    def end_login(self, digest: str) -> None:
+        with self._db.transaction() as conn:
+            conn.execute(self._sql(_END_LOGIN), (digest,))
 
     def ping(self) -> None:
         self._db.ping("SELECT count(*) FROM api_keys")
@@ -195,6 +280,15 @@ CREATE TABLE IF NOT EXISTS engram_api_keys (
     revoked_at TIMESTAMPTZ
 )
 """
+_PG_LOGINS = ("""
+CREATE TABLE IF NOT EXISTS engram_console_logins (
+    digest TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    role TEXT NOT NULL,
+    csrf TEXT NOT NULL,
+    expires_at TIMESTAMPTZ NOT NULL
+)""", "CREATE INDEX IF NOT EXISTS engram_console_logins_key ON engram_console_logins (key_id)")
 
 
 class PostgresKeyStore:
@@ -217,7 +311,7 @@ class PostgresKeyStore:
             if not self._schema_ready:
                 from ..store.postgres import create_tables
 
-                create_tables(conn, _PG_SCHEMA)
+                create_tables(conn, _PG_SCHEMA, *_PG_LOGINS)
                 self._schema_ready = True
             with conn.cursor() as cur:
                 yield cur
@@ -254,11 +348,38 @@ class PostgresKeyStore:
         with self._cursor() as cur:
             cur.execute("UPDATE engram_api_keys SET revoked_at = now() "
                         "WHERE id = %s AND revoked_at IS NULL", (id,))
+            cur.execute(self._sql(_END_KEY_LOGINS), (id,))
             cur.execute(f"SELECT {_COLUMNS} FROM engram_api_keys WHERE id = %s", (id,))
             row = cur.fetchone()
         if row is None:
             raise NotFound(f"no API key with id {id!r}")
         return _row_to_key(row)
+
+    @staticmethod
+    def _sql(template: str) -> str:
+        # times are the database's clock, the one clock every node agrees on
+        return _login_sql(template, logins="engram_console_logins", keys="engram_api_keys",
+                          m="%s", now="now()", expires="now() + make_interval(secs => %s)")
+
+    def add_login(self, login: ConsoleLogin, ttl_s: float) -> None:
+        with self._cursor() as cur:
+            cur.execute(self._sql(_DROP_EXPIRED))
+            cur.execute(self._sql(_ADD_LOGIN), (*_login_params(login), ttl_s))
+            cur.execute(self._sql(_TRIM_LOGINS), (login.key_id, login.key_id, MAX_LOGINS_PER_KEY))
+
+    def find_login(self, digest: str) -> ConsoleLogin | None:
+        stmt = self._sql(_FIND_LOGIN)
+        if self._schema_ready:  # every console request: one round trip, as `authenticate`
+            rows = self._pool.batch(None, [(stmt, (digest,))])[0]
+        else:
+            with self._cursor() as cur:
+                cur.execute(stmt, (digest,))
+                rows = cur.fetchall()
+        return _row_to_login(rows[0]) if rows else None
+
+    def end_login(self, digest: str) -> None:
+        with self._cursor() as cur:
+            cur.execute(self._sql(_END_LOGIN), (digest,))
 
     def ping(self) -> None:
         with self._cursor() as cur:

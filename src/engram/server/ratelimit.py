@@ -222,7 +222,10 @@ def postgres_rate_limiter(pool: Pool, rate: float, burst: int) -> SharedRateLimi
 
     def run(stmt: str, params: Sequence[Any]) -> list[Any]:
         if ready.is_set():  # BEGIN, the statement and COMMIT in one round trip, not three
-            return pool.batch(None, [NO_FLUSH, (stmt, params)], retry=False)[1]
+            # Sent again on a connection found dead (the server restarted): at worst a token
+            # is taken twice, where without it every process's first request after a restart
+            # answered 503 while its /ready said 200.
+            return pool.batch(None, [NO_FLUSH, (stmt, params)])[1]
         with pool.transaction() as c:
             if not ready.is_set():
                 create_tables(c, _PG_SCHEMA)

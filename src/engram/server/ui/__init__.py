@@ -6,12 +6,10 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from .routes import router
-from .sessions import Sessions
 
 __all__ = ["mount"]
 
 
 def mount(app: FastAPI) -> None:
     """Serve the console at /ui (after `app.state.auth`, `.limiter` and `.tenants` are set)."""
-    app.state.console_sessions = Sessions()
     app.include_router(router)

@@ -30,7 +30,7 @@ from ..guard import PRINCIPAL, authorization
 from ..keys import Role
 from ..ratelimit import retry_after_header
 from . import views
-from .sessions import COOKIE, ConsoleSession, Sessions, csrf_ok
+from .sessions import COOKIE, ConsoleSession, anonymous, csrf_ok, log_in, log_out, logged_in
 
 SCOPE_FIELDS = ("user_id", "agent_id", "session_id")
 MAX_FIELD = 10_000  # characters of one form or query field (memory texts are bounded by Memory)
@@ -81,11 +81,6 @@ _templates.globals.update(number=views.number, when=views.when, validity=views.v
                           kinds=[k.value for k in Kind], job_statuses=[s.value for s in JobStatus])
 
 
-def console_sessions(request: Request) -> Sessions:
-    found: Sessions = request.app.state.console_sessions
-    return found
-
-
 @dataclass
 class Page:
     """One console request: who asks, their tenant's memory, the scope in the query string."""
@@ -123,24 +118,22 @@ class Page:
 
 
 async def _page(request: Request) -> Page:
-    """Authenticate as a /v1 route does: a bearer header, else the console session's key (checked
-    again on every request, so revoking the key logs the browser out), else (auth off) the local
-    admin. Then the tenant's rate limit and its memory."""
+    """Authenticate as a /v1 route does: a bearer header, else the console login the cookie
+    names (found with its key on every request, so revoking the key logs the browser out), else
+    (auth off) the local admin. Then the tenant's rate limit and its memory."""
     state = request.app.state
-    session = console_sessions(request).get(request.cookies.get(COOKIE))
+    cookie = request.cookies.get(COOKIE)
+    session: ConsoleSession | None = None
     header = authorization(request.headers.getlist("authorization"))  # two are refused, as on /v1
     if header is not None:
         principal = await run_in_threadpool(state.auth, header)
     elif not state.auth.enabled:
-        principal = LOCAL
-    elif session is not None and session.secret is not None:
-        try:
-            principal = await run_in_threadpool(state.auth, f"Bearer {session.secret}")
-        except ServiceError:
-            console_sessions(request).end(session.id)
-            raise LoginNeeded from None
+        principal, session = LOCAL, anonymous(cookie)
     else:
-        raise LoginNeeded
+        session = await run_in_threadpool(logged_in, state.auth.keys, cookie)
+        if session is None or session.principal is None:
+            raise LoginNeeded
+        principal = session.principal
     request.scope[PRINCIPAL] = principal  # for the audit trail (server/audit.py)
     wait = state.limiter.take(principal.bucket)
     if wait > 0:
@@ -187,13 +180,6 @@ def _with_session(request: Request, response: Response, session: ConsoleSession 
     return response
 
 
-def _anonymous(request: Request) -> ConsoleSession:
-    """The browser's session, or a new one before login (it holds the CSRF token of the login
-    form, and with auth off the token of every form)."""
-    sessions = console_sessions(request)
-    return sessions.get(request.cookies.get(COOKIE)) or sessions.new()
-
-
 def _error(request: Request, status: int, code: str, message: str,
            headers: Mapping[str, str] | None = None) -> HTMLResponse:
     body = _templates.get_template("error.html").render(status=status, code=code, message=message,
@@ -204,12 +190,9 @@ def _error(request: Request, status: int, code: str, message: str,
 async def _run(page: Page, template: str, build: Callable[[], dict[str, Any]],
                status: int = 200) -> Response:
     """Build the page's data in the thread pool (`Memory` is synchronous), then render it; with
-    auth off, the cookie of the session that carries the CSRF token is set on the way."""
+    auth off, the cookie the forms' CSRF token is derived from is set on the way."""
     data = await run_in_threadpool(build)
-    session = page.session
-    if session is None and not page.bearer and not page.request.app.state.auth.enabled:
-        session = page.session = _anonymous(page.request)
-    return _with_session(page.request, page.render(template, status, **data), session)
+    return _with_session(page.request, page.render(template, status, **data), page.session)
 
 
 # -- login -------------------------------------------------------------------------------------
@@ -218,7 +201,7 @@ async def _run(page: Page, template: str, build: Callable[[], dict[str, Any]],
 async def login_form(request: Request) -> Response:
     if not request.app.state.auth.enabled:
         return RedirectResponse("/ui", status_code=303)
-    session = _anonymous(request)
+    session = anonymous(request.cookies.get(COOKIE))
     body = _templates.get_template("login.html").render(csrf=session.csrf, error=None, auth=True)
     return _with_session(request, HTMLResponse(body), session)
 
@@ -227,21 +210,25 @@ async def login_form(request: Request) -> Response:
 async def login(request: Request) -> Response:
     if not request.app.state.auth.enabled:
         return RedirectResponse("/ui", status_code=303)
-    sessions = console_sessions(request)
-    before = sessions.get(request.cookies.get(COOKIE))
+    cookie = request.cookies.get(COOKIE)
+    before = anonymous(cookie)  # a missing or foreign cookie gets a new id: no token matches it
     form = _fields(await request.body(), 10)
-    if not csrf_ok(before, form.get("csrf")):
+    if before.id != cookie or not csrf_ok(before, form.get("csrf")):
         return _error(request, 403, "csrf", "the login form is stale: reload the page and log in again")
-    assert before is not None
     secret = form.get("key", "").strip()
+    auth = request.app.state.auth
     try:
-        await run_in_threadpool(request.app.state.auth, f"Bearer {secret}")
+        principal = await run_in_threadpool(auth, f"Bearer {secret}")
     except ServiceError:
         body = _templates.get_template("login.html").render(
             csrf=before.csrf, error="unknown or revoked API key", auth=True)
         return HTMLResponse(body, status_code=401)
-    sessions.end(before.id)  # a new id at login: a cookie planted before it is worth nothing
-    session = sessions.new(secret)
+
+    def switch() -> ConsoleSession:
+        log_out(auth.keys, cookie)  # a login the browser had before ends with this one
+        return log_in(auth.keys, principal)
+
+    session = await run_in_threadpool(switch)
     return _with_session(request, RedirectResponse("/ui", status_code=303), session)
 
 
@@ -249,8 +236,8 @@ async def login(request: Request) -> Response:
 async def logout(request: Request) -> Response:
     page = await _page(request)
     await _form(request, page)
-    if page.session is not None:
-        console_sessions(request).end(page.session.id)
+    if page.session is not None and page.session.principal is not None:
+        await run_in_threadpool(log_out, request.app.state.auth.keys, page.session.id)
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui")
     return response

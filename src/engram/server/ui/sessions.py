@@ -1,68 +1,74 @@
-"""Console sessions: an opaque random cookie names a server-side record holding the API key the
-browser logged in with, its CSRF token and its expiry.
+"""Console sessions: an opaque random cookie, and once logged in, a login stored in the key
+store's database by the cookie's digest (key id, tenant, role, CSRF token, expiry; never the
+cookie, never the API key: server/keys.py).
 
-The cookie carries no data (nothing to forge, nothing to decode); the key stays in this process
-and every request re-authenticates it through the service's `Authenticator`, so a revoked key
-ends its console sessions at once. Sessions live in this process's memory: a restart logs every
-browser out, and several service processes behind a balancer need sticky sessions (scripts use
-`Authorization: Bearer`, which needs neither).
+Every request looks its login up together with its key in one statement, so a revoked key ends
+its logins at once, and any service process or node answers for any login: nothing is sticky
+and a restart logs nobody out. Before login (and with auth off, where nobody logs in) the
+cookie is a random id and the forms' CSRF token is derived from it, so that needs no state
+anywhere either: a login form served by one node is accepted by another.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import re
 import secrets
-import threading
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..auth import Principal
+from ..keys import ConsoleLogin, KeyStore
+
 COOKIE = "engram_console"
-TTL_S = 8 * 3600          # absolute lifetime of a session, set at login, never extended
-ANONYMOUS_TTL_S = 3600    # a session before login (it only carries the login form's CSRF token)
-MAX_SESSIONS = 10_000     # the oldest go first: a flood of cookie-less requests cannot grow memory
+TTL_S = 8 * 3600  # absolute lifetime of a login, set when it is made, never extended
+_ID = re.compile(r"[A-Za-z0-9_-]{43}")  # secrets.token_urlsafe(32)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConsoleSession:
-    id: str
+    id: str  # the cookie's value
     csrf: str
-    expires_at: float          # time.monotonic() seconds
-    secret: str | None = None  # the API key; None before login (and always with auth off)
+    principal: Principal | None = None  # who logged in; None before login (and with auth off)
 
 
-class Sessions:
-    def __init__(self, *, ttl_s: float = TTL_S, max_sessions: int = MAX_SESSIONS) -> None:
-        self.ttl_s = ttl_s
-        self.max_sessions = max_sessions
-        self._live: OrderedDict[str, ConsoleSession] = OrderedDict()
-        self._lock = threading.Lock()
+def digest(id: str) -> str:
+    """What is stored of a cookie: a stolen table logs nobody in."""
+    return hashlib.sha256(id.encode()).hexdigest()
 
-    def new(self, secret: str | None = None) -> ConsoleSession:
-        """A fresh session (a new id and CSRF token: logging in never reuses the id the browser
-        had before, so a planted cookie cannot be promoted to a logged-in one)."""
-        ttl = self.ttl_s if secret is not None else min(self.ttl_s, ANONYMOUS_TTL_S)
-        session = ConsoleSession(id=secrets.token_urlsafe(32), csrf=secrets.token_urlsafe(32),
-                                 expires_at=time.monotonic() + ttl, secret=secret)
-        with self._lock:
-            self._live[session.id] = session
-            while len(self._live) > self.max_sessions:
-                self._live.popitem(last=False)
-        return session
 
-    def get(self, id: str | None) -> ConsoleSession | None:
-        if not id or len(id) > 100:
-            return None
-        with self._lock:
-            session = self._live.get(id)
-            if session is not None and session.expires_at <= time.monotonic():
-                del self._live[id]
-                return None
-        return session
+def anonymous(cookie: str | None) -> ConsoleSession:
+    """The browser's session before login: its cookie if it is one of ours, else a new one. Its
+    CSRF token is a hash of the cookie, which a page may show and no other site can compute."""
+    id = cookie if cookie is not None and _ID.fullmatch(cookie) else secrets.token_urlsafe(32)
+    return ConsoleSession(id=id, csrf=hashlib.sha256(b"engram console csrf\0" + id.encode()).hexdigest())
 
-    def end(self, id: str) -> None:
-        with self._lock:
-            self._live.pop(id, None)
+
+def logged_in(keys: KeyStore, cookie: str | None) -> ConsoleSession | None:
+    """The login the cookie names, if it has not expired and its key is still live."""
+    if cookie is None or not _ID.fullmatch(cookie):
+        return None
+    login = keys.find_login(digest(cookie))
+    if login is None:
+        return None
+    return ConsoleSession(id=cookie, csrf=login.csrf,
+                          principal=Principal(tenant=login.tenant, role=login.role, key_id=login.key_id))
+
+
+def log_in(keys: KeyStore, principal: Principal, ttl_s: float = TTL_S) -> ConsoleSession:
+    """A new login for a key just checked (a new cookie: logging in never promotes the cookie
+    the browser had before, so one planted before login is worth nothing)."""
+    if principal.key_id is None or principal.tenant is None:
+        raise ValueError("a console login needs an API key")
+    id, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    keys.add_login(ConsoleLogin(digest=digest(id), key_id=principal.key_id, tenant=principal.tenant,
+                                role=principal.role, csrf=csrf), ttl_s)
+    return ConsoleSession(id=id, csrf=csrf, principal=principal)
+
+
+def log_out(keys: KeyStore, cookie: str | None) -> None:
+    if cookie is not None and _ID.fullmatch(cookie):
+        keys.end_login(digest(cookie))
 
 
 def csrf_ok(session: ConsoleSession | None, token: str | None) -> bool:
