@@ -176,3 +176,17 @@ def test_observations_are_redacted_as_every_stored_text(tmp_path: Path, embedder
         assert len(ana.observations) == 2 and not any(key in o for o in ana.observations)
         assert kg.delete_observations(mem, [("Ana", [f"old key {key}"])], Scope("u")) == (1, [])
     assert not any(key.encode() in p.read_bytes() for p in tmp_path.iterdir() if p.is_file())
+
+
+def test_a_deleted_relation_leaves_the_entities_summaries(gmem: Memory) -> None:
+    owner = Scope("u1")
+    kg.create_entities(gmem, [kg.Entity("Ana", "person"), kg.Entity("Clinic", "organization")], owner)
+    kg.create_relations(gmem, [kg.Relation("Ana", "Clinic", "works_at")], owner)
+
+    def stored(name: str) -> str:  # the row's summary (`entity` recomputes a rules summary)
+        return next(e.summary for e in gmem.entities(user_id="u1") if e.name == name)
+
+    assert "Clinic" in stored("Ana") and "Ana" in stored("Clinic")
+    assert kg.delete_relations(gmem, [kg.Relation("Ana", "Clinic", "works_at")], owner) == 1
+    assert "Clinic" not in stored("Ana") and "Ana" not in stored("Clinic")
+    assert gmem.relations("Ana", user_id="u1") == []

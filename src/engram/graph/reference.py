@@ -44,6 +44,7 @@ from ..model import Event, EventType, MemoryRecord, Scope, new_id, utcnow
 from ..model import Relation as RealRelation
 from ..redact import redact
 from ..store.base import EntitySelect, RelationSelect, Tx
+from . import entities
 from . import rules as g
 
 if TYPE_CHECKING:
@@ -342,6 +343,7 @@ def _drop_relations(mem: Memory, tx: Tx, view: _View, drop: Iterable[Relation]) 
     for r in drop:
         by_real.setdefault(view.relations[r][0].id, set()).add(r)
     now = utcnow()
+    retired: set[str] = set()
     for rid, rels in by_real.items():
         found = mem.store.read_relations(RelationSelect(ids=(rid,), seen="all"))
         if not found:
@@ -357,6 +359,9 @@ def _drop_relations(mem: Memory, tx: Tx, view: _View, drop: Iterable[Relation]) 
         tx.append(Event(id=new_id(), memory_id=done.id, type=EventType.DELETE, at=now,
                         scope=done.scope, before=real.to_dict(), after=done.to_dict(),
                         reason=RETRACTED))
+        retired.update(x for x in (real.subject, real.object) if x)
+    # the ends' summaries are rewritten without what went, as `unrelate` leaves them
+    entities.refresh(mem.store, tx, retired, now, forget=True)
 
 
 # -- reads --------------------------------------------------------------------------------------
