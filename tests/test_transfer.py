@@ -252,3 +252,27 @@ def test_the_service_moves_the_graph_and_sessions_between_tenants(
         assert seen("b-member") == seen("a-member")
         assert seen("b-member")[0][0][:3] == ("Ana", "works_at", "Clinic")
         assert seen("b-member")[2]
+
+
+def test_an_export_made_while_others_write_still_imports(tmp_path: Path, embedder: MiniLM,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # The export reads entities, then relations: a relation (with a new entity) written in
+    # between is newer than the export, and must not make the file unimportable.
+    with Memory(tmp_path / "src.db", embedder=embedder, llm=None) as mem:
+        mem.relate("Ana", "works_at", "Clinic", user_id="ana")
+        read_relations = mem.store.read_relations
+        calls = []
+
+        def meanwhile(sel: Any) -> Any:
+            if not calls:
+                calls.append(1)
+                mem.relate("Ana", "knows", "Rui", user_id="ana")  # another writer, just now
+            return read_relations(sel)
+
+        monkeypatch.setattr(mem.store, "read_relations", meanwhile)
+        mem.export(tmp_path / "ana.jsonl", user_id="ana")
+        assert calls
+    with Memory(tmp_path / "dst.db", embedder=embedder, llm=None) as mem:
+        mem.import_(tmp_path / "ana.jsonl")
+        assert [(r.subject_name, r.object_name) for r in mem.relations(user_id="ana")] == [
+            ("Ana", "Clinic")]

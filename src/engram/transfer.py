@@ -81,18 +81,23 @@ def export(engine: Engine, path: Path, scope: Scope) -> int:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(json.dumps({"format": EXPORT_FORMAT, "version": EXPORT_VERSION,
                             "exported_at": utcnow().isoformat(), "scope": scope.as_dict()}) + "\n")
+        ids: set[str] = set()
         for rec, events in engine.store.iter_export(scope):
             f.write(json.dumps({"memory": rec.to_dict(), "events": [e.to_dict() for e in events]},
                                ensure_ascii=False) + "\n")
+            ids.add(rec.id)
             count += 1
-        for line in owned(engine.store, scope):
+        for line in owned(engine.store, scope, ids):
             f.write(json.dumps(line, ensure_ascii=False) + "\n")
     tmp.replace(path)
     return count
 
 
-def owned(store: Store, scope: Scope) -> Iterator[dict[str, Any]]:
-    """The export lines after the memories: sessions, then (for an owner) the graph."""
+def owned(store: Store, scope: Scope, episodes: set[str]) -> Iterator[dict[str, Any]]:
+    """The export lines after the memories (`episodes`: their ids): sessions, then (for an
+    owner) the graph. The reads are not one snapshot, so while others write, a relation or a
+    mention may be newer than the entities read before it: those are left out (they happened
+    after the export), and the file always imports."""
     sessions = store.read_sessions(scope, exact=False, limit=EVERYTHING)
     for s in sorted(sessions, key=lambda s: (s.created_at, *map(str, s.scope.as_dict().values()))):
         yield {"session": s.to_dict()}
@@ -102,13 +107,17 @@ def owned(store: Store, scope: Scope) -> Iterator[dict[str, Any]]:
     found = store.read_entities(EntitySelect(owner))
     for e in found:
         yield {"entity": e.to_dict()}
+    live = {e.id for e in found}
     for r in store.read_relations(RelationSelect(owner, seen="all")):
-        yield {"relation": relation_dict(r), "events": [e.to_dict() for e in store.events(r.id)]}
-    for m in sorted(store.read_mentions(owner), key=lambda m: (m.episode_id, m.entity_id)):
+        if r.subject in live and (r.object is None or r.object in live):
+            yield {"relation": relation_dict(r),
+                   "events": [e.to_dict() for e in store.events(r.id)]}
+    mentions = [m for m in store.read_mentions(owner)
+                if m.entity_id in live and m.episode_id in episodes]
+    for m in sorted(mentions, key=lambda m: (m.episode_id, m.entity_id)):
         yield {"mention": {"episode_id": m.episode_id, "entity_id": m.entity_id,
                            "scope": m.scope.as_dict(),
                            "at": None if m.at is None else m.at.isoformat()}}
-    live = {e.id for e in found}
     gone = [e for e in store.events_of(EventType.DELETE.value, owner, limit=EVERYTHING)
             if e.reason == graph_entities.DELETED and e.memory_id not in live]
     for ev in sorted(gone, key=lambda e: (e.at, e.id)):
