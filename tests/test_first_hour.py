@@ -60,7 +60,8 @@ def test_help_shows_no_type_for_a_flag() -> None:
 
 @pytest.mark.parametrize("command", [["list"], ["search", "tea"], ["stats"], ["show", "x"],
                                      ["history", "x"], ["relations"], ["entities"],
-                                     ["sessions", "list"], ["export", "out.jsonl"]])
+                                     ["sessions", "list"], ["export", "out.jsonl"],
+                                     ["reindex", "--yes"], ["jobs"]])
 def test_a_read_command_refuses_a_missing_database(tmp_path: Path, command: list[str]) -> None:
     typo = tmp_path / "dta" / "engram.db"
     result = run("--db", typo, *command, code=1)

@@ -134,18 +134,23 @@ def database(cfg: Config, tenant: str | None = None) -> str:
     return urlunsplit(url._replace(netloc=netloc))
 
 
+def existing(st: State) -> Config:
+    """The config of a database that must exist already (a command that only reads or changes
+    what is there): a typo in --db is then an error, not a new empty database and its folders."""
+    cfg = config(st)
+    if cfg.database_url is None and not Path(database(cfg, st.tenant)).exists():
+        whose = f" for tenant {st.tenant!r}" if st.tenant else ""
+        raise NotFound(f"no database at {database(cfg, st.tenant)}{whose} (engram add "
+                       "creates one; is --db or ENGRAM_DB misspelt?)")
+    return cfg
+
+
 @contextmanager
-def open_memory(st: State, *, existing: bool = True) -> Iterator[Memory]:
-    """`Memory` over the database the options name. `existing`: it must exist already (a
-    command that only reads or changes what is there: a typo in --db is then an error, not a
-    new empty database and its folders); commands that add (add, import, relate, demo,
-    chat, worker) pass False."""
+def open_memory(st: State, *, create: bool = False) -> Iterator[Memory]:
+    """`Memory` over the database the options name, which must exist (`existing`) unless
+    `create`: the commands that add (add, import, relate, demo, worker) create it."""
     with guard():
-        cfg = config(st)
-        if existing and cfg.database_url is None and not Path(database(cfg, st.tenant)).exists():
-            whose = f" for tenant {st.tenant!r}" if st.tenant else ""
-            raise NotFound(f"no database at {database(cfg, st.tenant)}{whose} (engram add "
-                           "creates one; is --db or ENGRAM_DB misspelt?)")
+        cfg = config(st) if create else existing(st)
         mem = Memory(config=cfg, tenant=st.tenant)
         try:
             yield mem

@@ -52,7 +52,7 @@ def _run(st: State, limit: int, keep: bool) -> None:
     console = output.console()
     t0 = time.perf_counter()
     results: list[tuple[str, list[Hit]]] = []
-    with open_memory(st, existing=False) as mem:
+    with open_memory(st, create=True) as mem:
         if not st.json:
             console.print(f"[bold]engram demo[/] - database: {st.db}"
                           + ("" if keep else " (temporary)"))

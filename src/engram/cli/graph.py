@@ -139,7 +139,7 @@ def relate(ctx: typer.Context, subject: Annotated[str, typer.Argument()],
     st = state(ctx, db, as_json)
     with guard():
         start = parse_time(valid_from, "--from")
-    with open_memory(st, existing=False) as mem:
+    with open_memory(st, create=True) as mem:
         rel = mem.relate(subject, predicate, object, valid_from=start, literal=literal,
                          user_id=user, agent_id=agent)
     if st.json:

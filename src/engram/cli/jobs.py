@@ -18,7 +18,7 @@ def worker(ctx: typer.Context,
            db: DbOpt = None, as_json: JsonOpt = False) -> None:
     """Run background jobs (adds, extraction, reflection) from the database's job table."""
     st = state(ctx, db, as_json)
-    with open_memory(st, existing=False) as mem:
+    with open_memory(st, create=True) as mem:
         stop = threading.Event()
         if not st.json:
             typer.echo(f"engram worker on {mem.config.path}: waiting for jobs (Ctrl-C stops)", err=True)

@@ -73,7 +73,7 @@ def add(ctx: typer.Context,
         meta = parse_json(metadata, "--metadata")
         observed = parse_time(observed_at, "--observed-at")
         expires = parse_time(expires_at, "--expires-at")
-    with open_memory(st, existing=False) as mem:
+    with open_memory(st, create=True) as mem:
         message: str | dict[str, str] = text if name is None else {"role": "user", "content": text,
                                                                    "name": name}
         result = mem.add(message, user_id=user, agent_id=agent, session_id=session, kind=kind,

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from .. import Memory
-from .base import EXIT_NOT_FOUND, AgentOpt, DbOpt, JsonOpt, UserOpt, config, fail, guard, print_json, state
+from .base import EXIT_NOT_FOUND, AgentOpt, DbOpt, JsonOpt, UserOpt, existing, fail, guard, print_json, state
 
 
 def reindex(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
@@ -21,7 +21,7 @@ def reindex(ctx: typer.Context, user: UserOpt = None, agent: AgentOpt = None,
 
     st = state(ctx, db, as_json)
     with guard():
-        mem = Memory(config=config(st), check_space=False)
+        mem = Memory(config=existing(st), tenant=st.tenant, check_space=False)
         try:
             spaces = mem.embedding_space()
             recorded, target = spaces["recorded"], spaces["configured"]

@@ -239,7 +239,7 @@ def mcp_import(ctx: typer.Context,
         from ..graph import reference as graph
 
         parsed = graph.read_reference_file(path)
-        with open_memory(st, existing=False) as mem:
+        with open_memory(st, create=True) as mem:
             done = graph.import_graph(mem, parsed, Scope(user_id=user_id))
     if st.json:
         print_json({"entities": len(done.entities), "observations": done.observations,

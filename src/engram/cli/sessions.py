@@ -88,7 +88,7 @@ def add(ctx: typer.Context,
     """Add a message to a conversation, starting it if it is new."""
     st = state(ctx, db, as_json)
     message = {"role": role, "content": text, **({"name": name} if name else {})}
-    with open_memory(st, existing=False) as mem:
+    with open_memory(st, create=True) as mem:
         stored = mem.session(session_id=session_id, user_id=user, agent_id=agent,
                              policy=policy).add(message)
     if st.json:

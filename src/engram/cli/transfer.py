@@ -47,7 +47,7 @@ def import_memories(ctx: typer.Context,
         progress.update(task, completed=done, total=total)
 
     try:
-        with open_memory(st, existing=False) as mem:
+        with open_memory(st, create=True) as mem:
             try:
                 count = mem.import_(path, progress=advance)
             except InvalidImport as exc:  # the library does not name the file: say which one
