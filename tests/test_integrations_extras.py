@@ -26,7 +26,7 @@ def test_a_missing_framework_names_its_extra(monkeypatch: pytest.MonkeyPatch, mo
     monkeypatch.setitem(sys.modules, framework, None)  # as if it were not installed
     for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
         monkeypatch.delitem(sys.modules, name)
-    with pytest.raises(MissingExtra, match=rf"pip install 'engram\[{extra}\]'"):
+    with pytest.raises(MissingExtra, match=rf"pip install 'mnemotrace\[{extra}\]'"):
         importlib.import_module(module)
 
 
@@ -48,7 +48,7 @@ def test_adapters_take_an_engram_memory(mem: Memory, tmp_path: Path, embedder: A
 
 
 def test_the_embedded_default_works_without_the_optional_extras(tmp_path: Path) -> None:
-    """`pip install engram` has no psycopg, FastAPI or MCP SDK: adding and searching on SQLite
+    """`pip install mnemotrace` has no psycopg, FastAPI or MCP SDK: adding and searching on SQLite
     (with the in-memory lexical index forced on) must not import them."""
     code = f"""
 import sys
