@@ -8,7 +8,9 @@ In a ```python block, a line `print(...)  # first hit: TEXT` prints the first hi
 before it, and the test checks that TEXT is what it printed. A wrong first hit raises
 `WrongFirstHit`, apart from any other failure of the block.
 Blocks a reader cannot run as they are (set-up commands, placeholders for a real server) are
-fenced as ```sh or ```text, or preceded by `<!-- not run: reason -->`.
+fenced as ```sh or ```text, or preceded by `<!-- not run: reason -->`. Blocks preceded by
+`<!-- runs against the service: ... -->` need a running `engram serve`: a test starts one and
+runs a page's such blocks in order, as one script (`blocks(page, "bash", "service")`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,17 @@ import re
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FENCE = re.compile(r"(<!-- not run: [^>]+ -->\n)?```(python|bash)\n(.*?)```", re.DOTALL)
+FENCE = re.compile(r"(?:<!-- (not run|runs against the service): [^>]+ -->\n)?```(python|bash)\n(.*?)```",
+                   re.DOTALL)
 FIRST_HIT = re.compile(r"#\s*first hit:\s*(.+?)\s*$")
 SEARCHES = re.compile(r"^(engram\b.*\bsearch\b|curl\b.*/search\b)")
 
@@ -45,9 +52,12 @@ class Block:
         return f"{self.page.name}:{self.language}{self.index}"
 
 
-def blocks(page: Path, language: str) -> list[Block]:
+def blocks(page: Path, language: str, tag: str | None = None) -> list[Block]:
+    """The page's blocks in `language`: those that run as they are, or with `tag="service"`
+    those that run against a service."""
+    wanted = {None: None, "service": "runs against the service"}[tag]
     found = [m for m in FENCE.finditer(page.read_text(encoding="utf-8"))
-             if m.group(2) == language and not m.group(1)]
+             if m.group(2) == language and m.group(1) == wanted]
     return [Block(page, language, m.group(3), i) for i, m in enumerate(found)]
 
 
@@ -68,8 +78,15 @@ def run_python(page_blocks: list[Block], folder: Path) -> None:
 
 
 def _commands(code: str) -> list[str]:
-    """The block's commands, continuation lines joined."""
-    return [c.strip() for c in code.replace("\\\n", " ").splitlines() if c.strip()]
+    """The block's commands: continuation lines, and lines inside a quoted argument, joined."""
+    commands: list[str] = []
+    pending = ""
+    for line in code.replace("\\\n", " ").splitlines():
+        pending = f"{pending} {line.strip()}" if pending else line.strip()
+        if pending.split("#")[0].count("'") % 2 == 0:
+            commands.append(pending)
+            pending = ""
+    return [c for c in [*commands, pending] if c]
 
 
 def expected_first_hits(code: str) -> list[str]:
@@ -111,12 +128,40 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_shell(code: str, folder: Path) -> list[str]:
+def shell_env(folder: Path, **more: str) -> dict[str, str]:
+    """The environment of a shell block: the venv's `engram` first on PATH, a database in
+    `folder`, no other ENGRAM_* setting of the caller."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_")}
+    return {**env, "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
+            "ENGRAM_DB": str(folder / "engram.db"), "COLUMNS": "200", **more}
+
+
+@contextmanager
+def running_service(env: dict[str, str], port: int) -> Iterator[str]:
+    """`engram serve` on `port` with `env`, ready; its URL."""
+    server = subprocess.Popen(["engram", "serve", "--port", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/ready", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None, "the service did not start"
+            time.sleep(0.3)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def run_shell(code: str, folder: Path, env: dict[str, str] | None = None) -> list[str]:
     """Run a shell block traced; return the output of each search command, in order."""
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
-           "ENGRAM_DB": str(folder / "engram.db"),
-           "PORT": str(free_port()), "COLUMNS": "200"}
+    env = env or shell_env(folder, PORT=str(free_port()))
     # Each command's trace on a line of its own, even after output with no final newline (bash
     # ignores PS4 from the environment when run as root, so the script sets it).
     traced = "PS4=$'\\n+ '\nset -x\n" + code

@@ -21,9 +21,12 @@ from docblocks import (
     check_first_hits,
     check_printed,
     expected_first_hits,
+    free_port,
     printed_first_hits,
     run_python,
     run_shell,
+    running_service,
+    shell_env,
 )
 
 DOCS = ROOT / "docs"
@@ -118,3 +121,19 @@ def test_page_shell_blocks_run(tmp_path: Path) -> None:
         folder = tmp_path / str(i)
         folder.mkdir()
         check_first_hits(expected_first_hits(block.code), run_shell(block.code, folder))
+
+
+@pytest.mark.xfail(raises=WrongFirstHit, strict=True, reason="the fact 'Ana is vegetarian' outranks "
+                   "the episode 'I just moved to Lisbon.' for 'Where does Ana live?' (ranking, fixed "
+                   "elsewhere)")
+def test_service_page_runs_against_a_service(tmp_path: Path) -> None:
+    found = blocks(DOCS / "service.md", "bash", "service")
+    assert len(found) >= 10
+    port = free_port()
+    script = "\n".join(b.code for b in found).replace("localhost:8000", f"localhost:{port}")
+    # Every request of the page must succeed: curl fails on an HTTP error (and shows its body).
+    (tmp_path / ".curlrc").write_text("fail-with-body\n", encoding="utf-8")
+    env = shell_env(tmp_path, CURL_HOME=str(tmp_path))
+    with running_service(env, port):
+        outputs = run_shell(script, tmp_path, env)
+    check_first_hits(expected_first_hits(script), outputs)

@@ -7,24 +7,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2 as httpx
 import pytest
 
-from docblocks import ROOT, WrongFirstHit, check_first_hits, expected_first_hits, free_port, run_shell
+from docblocks import (
+    ROOT,
+    WrongFirstHit,
+    check_first_hits,
+    expected_first_hits,
+    free_port,
+    run_shell,
+    running_service,
+    shell_env,
+)
 
 EXAMPLES = ROOT / "examples"
 BIN = Path(sys.executable).parent
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGRAM_")}
-    return {**env, "PATH": f"{BIN}:{env.get('PATH', '')}", "ENGRAM_DB": str(tmp_path / "engram.db")}
+    return shell_env(tmp_path)
 
 
 def _run(name: str, tmp_path: Path) -> str:
@@ -63,28 +71,12 @@ def test_llamaindex_agent_model_is_shown_the_memory(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def service(tmp_path: Path):  # type: ignore[no-untyped-def]
+def service(tmp_path: Path) -> Iterator[tuple[str, str]]:
     env = _env(tmp_path)
     key = subprocess.run(["engram", "keys", "create", "--tenant", "acme", "--role", "admin"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
-    port = free_port()
-    server = subprocess.Popen(["engram", "serve", "--port", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline and server.poll() is None, "the service did not start"
-            time.sleep(0.3)
+    with running_service(env, free_port()) as url:
         yield url, key
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 @pytest.mark.xfail(raises=WrongFirstHit, strict=True, reason="'Have a good flight!' outranks 'I am "
