@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from engram.server.keys import PostgresKeyStore
 from pg_server import PgTestServer
 
 NODES = 3
-BURST = 300  # each tenant's bucket, shared by the nodes: the rate-limit test spends one whole
+BURST = 300  # each tenant's bucket, shared by the nodes: the rate-limit test spends a whole one
 
 
 def _free_port() -> int:
@@ -115,7 +116,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     pg = PgTestServer().start()  # its own server: the readiness test stops it
     url = pg.url(pg.create_database())
     keys = PostgresKeyStore(url)
-    tokens = {t: keys.create(t, "admin", f"{t} admin")[1] for t in ("a", "limited")}
+    # a tenant per concern, so no test spends another's rate-limit bucket
+    tokens = {t: keys.create(t, "admin", f"{t} admin")[1]
+              for t in ("a", "jobs", "console", "limited")}
     env = {**os.environ, "ENGRAM_DATABASE_URL": url, "ENGRAM_DB": str(tmp / "unused.db"),
            "ENGRAM_PG_CONNECT_TIMEOUT": "2"}
     nodes = [Node(_free_port(), tmp / f"node{i}.log", env) for i in range(NODES)]
@@ -136,9 +139,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pg.stop()
 
 
-def _add(cluster: Cluster, text: str, node: int, **body: Any) -> dict[str, Any]:
-    r = cluster.call("POST", "/v1/memories", node=node, json={"messages": text, "infer": False,
-                                                              **body})
+def _add(cluster: Cluster, text: str, node: int, tenant: str = "a", **body: Any) -> dict[str, Any]:
+    r = cluster.call("POST", "/v1/memories", tenant, node, json={"messages": text, "infer": False,
+                                                                 **body})
     assert r.status_code == 201, r.text
     return dict(r.json()["memories"][0])
 
@@ -208,6 +211,25 @@ def test_idempotency_keys_are_shared(cluster: Cluster) -> None:
     assert [m["text"] for m in listed] == ["Dina moved to Porto"]
 
 
+def test_one_idempotency_key_sent_to_every_node_at_once_adds_once(cluster: Cluster) -> None:
+    body = {"messages": "Ines booked the 9:40 train", "user_id": "ines", "infer": False}
+
+    def send(node: int) -> httpx2.Response:
+        return cluster.call("POST", "/v1/memories", node=node, json=body,
+                            headers={"Idempotency-Key": "train-1"})
+
+    with ThreadPoolExecutor(NODES) as pool:
+        answers = list(pool.map(send, range(NODES)))
+    for i, r in enumerate(answers):
+        while r.status_code == 409:  # the first is still running on another node: ask again
+            time.sleep(float(r.headers["Retry-After"]))
+            r = answers[i] = send(i)
+    assert [r.status_code for r in answers] == [201] * NODES, [r.text for r in answers]
+    assert len({r.json()["memories"][0]["id"] for r in answers}) == 1
+    listed = cluster.call("GET", "/v1/memories", params={"user_id": "ines"}).json()["items"]
+    assert [m["text"] for m in listed] == [body["messages"]]
+
+
 def test_rate_limits_are_shared(cluster: Cluster) -> None:
     """One bucket of BURST for the tenant, whichever node a request lands on: per-node buckets
     would have granted all of them."""
@@ -220,7 +242,7 @@ def test_rate_limits_are_shared(cluster: Cluster) -> None:
 def test_background_jobs_run_exactly_once_across_nodes(cluster: Cluster) -> None:
     ids = []
     for n in range(12):
-        r = cluster.call("POST", "/v1/memories", json={
+        r = cluster.call("POST", "/v1/memories", tenant="jobs", json={
             "messages": f"Errand {n}: buy {n} apples", "user_id": "eve", "infer": False,
             "background": True})
         assert r.status_code == 202, r.text
@@ -230,18 +252,19 @@ def test_background_jobs_run_exactly_once_across_nodes(cluster: Cluster) -> None
     while len(jobs) < len(ids) and time.monotonic() < deadline:
         for job_id in ids:
             if job_id not in jobs:
-                got = cluster.call("GET", f"/v1/jobs/{job_id}").json()
+                got = cluster.call("GET", f"/v1/jobs/{job_id}", tenant="jobs").json()
                 if got["status"] in ("done", "failed"):
                     jobs[job_id] = got
         time.sleep(0.2)
     assert len(jobs) == len(ids), "jobs not done in time"
     assert {j["status"] for j in jobs.values()} == {"done"}
     assert [j["attempts"] for j in jobs.values()] == [1] * len(ids)
-    listed = cluster.call("GET", "/v1/memories", params={"user_id": "eve", "limit": 100}).json()
+    listed = cluster.call("GET", "/v1/memories", tenant="jobs",
+                          params={"user_id": "eve", "limit": 100}).json()
     texts = sorted(m["text"] for m in listed["items"])
     assert texts == sorted(f"Errand {n}: buy {n} apples" for n in range(12))  # none twice
     for m in listed["items"]:
-        events = cluster.call("GET", f"/v1/memories/{m['id']}/history").json()["events"]
+        events = cluster.call("GET", f"/v1/memories/{m['id']}/history", tenant="jobs").json()["events"]
         assert [e["type"] for e in events] == ["ADD"]
 
 
@@ -292,19 +315,19 @@ def _stored_logins(cluster: Cluster) -> list[tuple[Any, ...]]:
 def test_a_console_login_holds_on_every_node_and_across_a_restart(cluster: Cluster) -> None:
     browser = Browser(cluster)
     # the login form from node 0, posted to node 1 (its CSRF token is not kept in node 0)
-    browser.login(0, 1, cluster.tokens["a"])
+    browser.login(0, 1, cluster.tokens["console"])
     assert all(browser.logged_in(i) for i in (2, 0, 1))
-    fact = _add(cluster, "Fay's favourite colour is teal", 0, user_id="fay")
+    fact = _add(cluster, "Fay's favourite colour is teal", 0, user_id="fay", tenant="console")
     token = browser.csrf(2, f"/ui/memories/{fact['id']}")
     r = browser.request(0, "POST", f"/ui/memories/{fact['id']}/edit",
                         data={"csrf": token, "text": "Fay's favourite colour is red"})
     assert r.status_code == 303, r.text
-    assert cluster.call("GET", f"/v1/memories/{fact['id']}", node=1).json()["text"] \
+    assert cluster.call("GET", f"/v1/memories/{fact['id']}", "console", 1).json()["text"] \
         == "Fay's favourite colour is red"
 
     # the stored login holds a digest of the cookie, never the cookie or the API key
     rows = _stored_logins(cluster)
-    assert rows and all(cluster.tokens["a"] not in repr(row) for row in rows)
+    assert rows and all(cluster.tokens["console"] not in repr(row) for row in rows)
     assert all(browser.cookie not in repr(row) for row in rows)
 
     cluster.nodes[0].stop()
@@ -321,7 +344,7 @@ def test_a_console_login_holds_on_every_node_and_across_a_restart(cluster: Clust
 
 
 def test_a_revoked_key_logs_out_every_node(cluster: Cluster) -> None:
-    key, secret = cluster.keys.create("a", "member", "to be revoked")
+    key, secret = cluster.keys.create("console", "member", "to be revoked")
     browsers = [Browser(cluster) for _ in range(2)]
     for i, browser in enumerate(browsers):
         browser.login(i, i + 1, secret)
@@ -359,7 +382,7 @@ def test_ready_is_honest_and_workers_outlive_an_outage(cluster: Cluster, embedde
     # which waited for the database rather than die with the outage
     other = Memory(config=Config(path=cluster.nodes[0].log.parent / "unused.db",
                                  database_url=cluster.url, worker="off"),
-                   tenant="a", embedder=embedder)
+                   tenant="jobs", embedder=embedder)  # the tenant whose workers the jobs test started
     try:
         job = other.add("Hugo queued this while no node was asked", user_id="hugo", infer=False,
                         background=True).job
