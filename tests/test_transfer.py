@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from conftest import STORES
-from engram import Config, InvalidImport, Memory
+from engram import Config, InvalidImport, InvalidInput, Memory
 from engram.providers.embedders import MiniLM
 from engram.working import Summary
 from pg_server import PG
@@ -276,3 +278,32 @@ def test_an_export_made_while_others_write_still_imports(tmp_path: Path, embedde
         mem.import_(tmp_path / "ana.jsonl")
         assert [(r.subject_name, r.object_name) for r in mem.relations(user_id="ana")] == [
             ("Ana", "Clinic")]
+
+
+TEXT = st.text(st.characters(exclude_categories=("Cs", "Cc")), min_size=1, max_size=30).filter(
+    lambda s: s.strip() != "")
+SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1),
+                   st.floats(allow_nan=False, allow_infinity=False), TEXT)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(graph=st.lists(st.tuples(TEXT, st.dictionaries(TEXT, SCALAR, max_size=3), TEXT),
+                      min_size=1, max_size=4))
+def test_any_graph_survives_the_round_trip(graph: list[tuple[str, dict[str, Any], str]],
+                                            tmp_path_factory: pytest.TempPathFactory,
+                                            embedder: MiniLM) -> None:
+    """Names, attributes and literal values of any text (unicode, quotes, newlines) and JSON
+    values of any size a database takes come back exactly."""
+    directory = tmp_path_factory.mktemp("rt")
+    with Memory(directory / "src.db", embedder=embedder, llm=None) as src:
+        for name, attributes, value in graph:
+            try:
+                src.upsert_entity(name, attributes=attributes, user_id="ana")
+                src.relate(name, "likes", value, literal=True, user_id="ana")
+            except InvalidInput:
+                assume(False)  # a name the graph refuses (tested elsewhere)
+        src.export(directory / "ana.jsonl", user_id="ana")
+        before = rows(src, directory / "src.db", "ana")
+    with Memory(directory / "dst.db", embedder=embedder, llm=None) as dst:
+        dst.import_(directory / "ana.jsonl")
+        assert rows(dst, directory / "dst.db", "ana") == before
