@@ -5,6 +5,8 @@ older versions kept as tagged memories converts into it once."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -190,3 +192,31 @@ def test_a_deleted_relation_leaves_the_entities_summaries(gmem: Memory) -> None:
     assert kg.delete_relations(gmem, [kg.Relation("Ana", "Clinic", "works_at")], owner) == 1
     assert "Clinic" not in stored("Ana") and "Ana" not in stored("Clinic")
     assert gmem.relations("Ana", user_id="u1") == []
+
+
+CONVERT = """
+import sys
+from engram import Memory, Scope
+from engram.graph import reference as kg
+from engram.providers.embedders import MiniLM
+with Memory(sys.argv[1], embedder=MiniLM(threads=1, int8=True), llm=None) as mem:
+    print(len(kg.read_graph(mem, Scope("u1")).entities))
+"""
+
+
+def test_processes_opening_an_old_graph_at_once_convert_it_once(tmp_path: Path,
+                                                                 embedder: MiniLM) -> None:
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=None) as mem:
+        mem.add(OLD_GRAPH, user_id="u1", kind="semantic", infer=False)
+    procs = [subprocess.Popen([sys.executable, "-c", CONVERT, str(tmp_path / "m.db")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    assert [out.strip() for out, _ in outs] == ["3", "3", "3"]
+    with Memory(tmp_path / "m.db", embedder=embedder, llm=None) as mem:
+        graph = kg.read_graph(mem, Scope("u1"))
+        assert [e.name for e in graph.entities] == ["Ana", "ana", "Bob"]
+        assert graph.entities[0].observations == ("speaks Portuguese",)  # not twice
+        assert graph.relations == [kg.Relation("Ana", "Bob", "friend_of")]
+        assert len(mem.relations(user_id="u1")) == 1 and mem.list(user_id="u1").items == []
