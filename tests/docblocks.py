@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"(?:<!-- (not run|runs against the service): [^>]+ -->\n)?```(python|bash)\n(.*?)```",
                    re.DOTALL)
 FIRST_HIT = re.compile(r"#\s*first hit:\s*(.+?)\s*$")
-SEARCHES = re.compile(r"^(engram\b.*\bsearch\b|curl\b.*/search\b)")
+SEARCHES = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(engram\b.*\bsearch\b|curl\b.*/search\b)")
 
 
 class WrongFirstHit(AssertionError):
