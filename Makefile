@@ -48,7 +48,7 @@ run: install
 	$(VENV)/bin/engram serve --db $(DEMO_DB) --no-auth --host 127.0.0.1 --port $(PORT)
 
 test: dev
-	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff check src tests bench examples docs/hooks
 	$(VENV)/bin/mypy src
 	$(VENV)/bin/pytest
 
