@@ -4,6 +4,8 @@ no LLM configured, as on a fresh machine), and every search in them finds the fi
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +62,14 @@ def test_readme_python_block_runs(block: Any, tmp_path: Path,
 def test_readme_shell_block_runs_and_finds_its_first_hits(block: Any, tmp_path: Path) -> None:
     wanted = expected_first_hits(block.code)
     check_first_hits(wanted, run_shell(block.code, tmp_path))
+
+
+def test_readme_mcp_config_starts_a_working_server(tmp_path: Path) -> None:
+    from test_examples import BIN, _env, _tools
+
+    (text,) = re.findall(r"```json\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
+    text = text.replace("/path/to/.venv/bin/engram", str(BIN / "engram"))
+    config = json.loads(text.replace("/path/to/engram.db", str(tmp_path / "engram.db")))
+    server = config["mcpServers"]["engram"]
+    server["env"] = {**_env(tmp_path), **server["env"]}  # the client passes a bare environment
+    assert "recall" in _tools(server)
