@@ -65,8 +65,9 @@ class Memory:
                  retrieval: str | RetrievalConfig | None = None,
                  tenant: str | None = None, llm: LLM | None | Unset = UNSET,
                  check_space: bool = True) -> None:
-        """The parts not given come from `config` (default: `Config.from_env(path=path)`);
-        `llm=None` turns the LLM off even if one is configured. `tenant` isolates a service
+        """The parts not given come from `config` (default: `Config.from_env(path=path)`; a
+        `path` is the SQLite file even when ENGRAM_DATABASE_URL is set); `llm=None` turns the
+        LLM off even if one is configured. `tenant` isolates a service
         tenant's data (see `store.open_store`); libraries and single-user apps leave it None.
 
         A database records the embedding space of its vectors on first use; one recorded with
