@@ -7,6 +7,7 @@ install first, then every extra at once."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -61,6 +62,7 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path
     _run(sys.executable, "-m", "venv", folder)
     _run(folder / "bin/python", "-m", "pip", "install", "-q", wheel)
     yield folder
+    shutil.rmtree(folder, ignore_errors=True)  # ~700 MB with the extras
 
 
 def _installed(venv: Path) -> set[str]:
