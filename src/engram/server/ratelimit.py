@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import StoreError, StoreUnavailable
-from ..store.sqlite.conn import private_file
+from ..store.sqlite import private_file
 
 if TYPE_CHECKING:
     from ..config import Config
