@@ -400,6 +400,49 @@ def test_a_reflection_job_that_read_an_erased_memory_runs_again_without_it(
     assert in_files(folder, [text]) == []
 
 
+class HeldEmbedder(MiniLM):
+    """The real model, whose embedding of a text holding `word` waits until `go` is set."""
+
+    def __init__(self, word: str) -> None:
+        super().__init__(threads=1, int8=True)
+        self.word = word
+        self.calls = threading.Event()
+        self.go = threading.Event()
+
+    def embed_batch(self, texts: Any) -> Any:
+        if any(self.word in t for t in texts):
+            self.calls.set()
+            assert self.go.wait(30)
+        return super().embed_batch(texts)
+
+
+def test_a_relation_begun_before_an_erasure_is_not_written_after_it(tmp_path: Path) -> None:
+    folder = tmp_path / "db"
+    folder.mkdir()
+    text = canary()
+    embedder = HeldEmbedder(text)
+    outcome: list[BaseException] = []
+    with Memory(folder / "m.db", embedder=embedder, llm=None) as mem:
+        mem.relate("Ana", "works_at", "Acme", user_id="ana")
+
+        def relate() -> None:
+            try:
+                mem.relate(f"Bea {text}", "knows", "Ana", user_id="ana")
+            except Erased as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=relate)
+        t.start()
+        assert embedder.calls.wait(30)  # resolving its subject: Ana's entity was read
+        mem.erase(user_id="ana")
+        embedder.go.set()
+        t.join(30)
+        assert len(outcome) == 1 and outcome[0].covered  # type: ignore[attr-defined]
+        assert graph_rows(mem) == [0, 0, 0]
+        assert mem.relate("Ana", "works_at", "Acme", user_id="ana")  # a new write lands
+    assert in_files(folder, [text]) == []
+
+
 # -- extraction (with the graph) and reflection over a real LLM -------------------------------------
 
 @pytest.fixture(scope="module")

@@ -145,12 +145,16 @@ def clean_aliases(aliases: Any) -> tuple[str, ...]:
 def upsert(engine: Engine, scope: Scope, name: str, *, type: str | None = None,
            aliases: Sequence[str] = (), summary: str | None = None,
            attributes: Mapping[str, Any] | None = None, provenance: Sequence[str] = (),
-           tx: Tx | None = None, llm_summary: bool = True) -> Entity:
+           tx: Tx | None = None, llm_summary: bool = True,
+           fence: Fence | None = None) -> Entity:
     """The entity `name` of the owner: resolved (staged) and updated with what is given, or
     created. Aliases accumulate; the type of an untyped entity is set once known. A summary
     given here is the caller's and is kept as written (`summary=""` hands it back to the
-    rules); otherwise the rules summary follows the type and aliases."""
+    rules); otherwise the rules summary follows the type and aliases. In its own transaction
+    (no `tx`), `Erased` if the owner was erased since it began (since `fence`)."""
     scope = owner(scope)
+    if tx is None:
+        fence = fence or Fence.take(engine.store, scope)
     name = _clean(name, "name")
     typ = _clean(type, "type", max_chars=64).casefold() if type is not None else ""
     aliases = clean_aliases(aliases)
@@ -180,6 +184,8 @@ def upsert(engine: Engine, scope: Scope, name: str, *, type: str | None = None,
         if new == replace(old, updated_at=now):
             return old  # nothing new: no write
     with _write(engine, tx) as w:
+        if tx is None and fence is not None:
+            fence.hold(w)  # what was resolved may be gone: never written back
         if new is not None:
             w.put_entity(new, g.name_keys(new.name, new.aliases))
             entity = new
@@ -440,13 +446,15 @@ def relate(engine: Engine, scope: Scope, subject: str, predicate: str, obj: Targ
     start = valid_from or observed_at or now
     cfg = engine.config
     one = g.single_valued(pred, single=cfg.graph_single, multi=cfg.graph_multi, flag=single)
+    fence = Fence.take(engine.store, scope)  # the ends are written first, each on its own
     subj = upsert(engine, scope, subject, type=subject_type, provenance=provenance,
-                  llm_summary=False)
+                  llm_summary=False, fence=fence)
     other = upsert(engine, scope, obj.name, type=obj.type, provenance=provenance,
-                   llm_summary=False) if obj.name is not None else None
+                   llm_summary=False, fence=fence) if obj.name is not None else None
     value = obj.value
     store = engine.store
     with store.write() as tx:
+        fence.hold(tx)  # an erasure since the ends were written took them
         existing = store.read_relations(RelationSelect(scope, subjects=(subj.id,),
                                                        predicate=pred, seen="all"))
         existing = [r for r in existing if r.expired_at is None]
@@ -493,6 +501,7 @@ def unrelate(engine: Engine, scope: Scope, subject: str, predicate: str,
     holding at `at` (default now; `valid_to`), and stay as history. `retract=True` says they
     never held (a mistake): they are retired (`expired_at`) and leave as-of reads too."""
     scope = owner(scope)
+    fence = Fence.take(engine.store, scope)
     subj = find(engine.store, scope, subject)
     pred = g.predicate_key(_clean(predicate, "predicate", max_chars=128))
     now = utcnow()
@@ -510,6 +519,7 @@ def unrelate(engine: Engine, scope: Scope, subject: str, predicate: str,
                      and g.normalise(r.value or "") == g.normalise(obj.value or "")]
     out = []
     with engine.store.write() as tx:
+        fence.hold(tx)  # an erased relation is never written back
         for r in found:
             done = replace(r, expired_at=now) if retract else replace(r, valid_to=end)
             tx.put_relation(done)
