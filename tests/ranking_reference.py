@@ -1,11 +1,13 @@
 """The ranking as it was before it was made fast (issue 13): a frozen copy of `fuse_arrays`,
 `newest_wins` and `rank_arrays` over `Candidate` objects, one row at a time. The reference that
-tests/test_ranking_fast.py holds the fast path to: the same hits, scores and explanations."""
+tests/test_ranking_fast.py holds the fast path to: the same hits, scores and explanations.
+Since issue 31 it also scales the window key by a turn's need of context (`context_chars`) and
+links a revision by meaning when the statements' vectors are given (`same_thing`)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 
 import numpy as np
@@ -19,6 +21,7 @@ from engram.pipeline.retrieve import (
     asks_when,
     mentions_time,
     named_speakers,
+    same_thing,
     topic_words,
 )
 from engram.store.base import Candidate
@@ -58,7 +61,8 @@ def fuse_arrays(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapp
 
 def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page: int,
                 about: Collection[str] | None = None,
-                asked: frozenset[str] = frozenset()) -> dict[str, float]:
+                asked: frozenset[str] = frozenset(),
+                same: Callable[[str, str, bool], bool] | None = None) -> dict[str, float]:
     """Topic-level newest-wins: how much each candidate on the first `page` results is lifted
     to rank just above the older ones it revises (ids of unlifted candidates are left out).
 
@@ -98,7 +102,8 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
         changed = recs[b].name is not None and announces_change(recs[b].text)
         older = [a for a in top if when[a] < when[b] and recs[a].name == recs[b].name
                  and lifted[a] >= lifted[b]
-                 and (changed or any(df[w] <= 2 for w in words[a] & words[b]))]
+                 and (same(a, b, changed) if same is not None
+                      else changed or any(df[w] <= 2 for w in words[a] & words[b]))]
         if older:
             lifted[b] = max(lifted[a] for a in older) + 1e-3
     return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}
@@ -108,7 +113,9 @@ Ranked = tuple[str, float, dict[str, float]]  # memory id, score, explanation
 
 
 def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
-                cfg: RetrievalConfig, now: datetime, limit: int | None = None) -> list[Ranked]:
+                cfg: RetrievalConfig, now: datetime, limit: int | None = None,
+                vectors: Callable[[list[str]], Mapping[str, np.ndarray]] | None = None,
+                query_vector: np.ndarray | None = None) -> list[Ranked]:
     """`rank` over the arrays of `fuse_arrays`: the best `limit` (default all), explained.
 
     Every adjustment is an array added to the score in a fixed order (speaker, when, recency,
@@ -122,6 +129,15 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     n = len(rows)
     whole = len(keep) == len(fused.ids)
     sel = slice(None) if whole else np.array(keep, dtype=np.intp)
+    if cfg.context_chars and "window" in fused.parts:
+        # the window's share of each kept row: 1 - its length / context_chars, at least 0
+        window = fused.parts["window"].copy()
+        total = fused.total.copy()
+        for i, r in zip(keep, rows, strict=True):
+            scaled = window[i] * max(0.0, 1.0 - len(r.text) / cfg.context_chars)
+            total[i] = total[i] - window[i] + scaled
+            window[i] = scaled
+        fused = Fused(fused.ids, {**fused.parts, "window": window}, fused.found, total)
     score = fused.total[sel].copy()
     added: dict[str, tuple[np.ndarray, bool]] = {}  # label -> (values, shown where 0 too)
 
@@ -175,7 +191,9 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         # the names the question is about ("Ana" in "Where does Ana live?") are shared by every
         # statement about her: they are the subject, never the topic that links a revision
         subject = topic_words(" ".join(re.findall(r"(?<!^)(?<![.?!] )\b[A-Z][\w'-]*", query.strip())))
-        lifts = newest_wins(on_page, recs, cfg.newer_page, about, subject)
+        same = (None if vectors is None or query_vector is None
+                else same_thing(vectors(top), query_vector))
+        lifts = newest_wins(on_page, recs, cfg.newer_page, about, subject, same)
         if lifts:
             at = {mid: i for i, mid in enumerate(ids)}
             lift = np.zeros(n)

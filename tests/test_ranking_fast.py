@@ -12,10 +12,12 @@ ties at the cut, the sessions holding the lowest and the highest best, negative 
 from __future__ import annotations
 
 import random
+import zlib
 from collections import Counter
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+import numpy as np
 import pytest
 
 import ranking_reference as ref
@@ -105,6 +107,22 @@ def same_as_reference(found: dict[str, list[tuple[str, float]]], cands: dict[str
             for limit in limits:
                 got = rank_arrays(fused, cands, query, cfg, NOW, limit)
                 assert got == ref.rank_arrays(expected_fused, cands, query, cfg, NOW, limit)
+                # with the statements' vectors, newest-wins links a revision by meaning
+                qv = unit(query)
+                got = rank_arrays(fused, cands, query, cfg, NOW, limit, vectors, qv)
+                assert got == ref.rank_arrays(expected_fused, cands, query, cfg, NOW, limit,
+                                              vectors, qv)
+
+
+def unit(key: str) -> np.ndarray:
+    """A vector of its own for each key (a few dimensions: pairs are often close)."""
+    v = np.random.default_rng(zlib.crc32(key.encode())).normal(size=4)
+    out: np.ndarray = v / np.linalg.norm(v)
+    return out
+
+
+def vectors(ids: list[str]) -> dict[str, np.ndarray]:
+    return {mid: unit(mid) for mid in ids if not mid.endswith("7")}  # some have none
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -71,10 +72,16 @@ def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray |
     if weights["graph"]:  # scaled to [0, 1] by the retriever itself
         found["graph"] = graph_retrieve.candidates(engine, text, q, n, cfg.graph_depth)
     fused = fuse_arrays(found, weights, cfg)
-    best = rank_arrays(fused, store.candidates(fused.ids, q), text, cfg, q.as_of or q.now, limit)
+    best = rank_arrays(fused, store.candidates(fused.ids, q), text, cfg, q.as_of or q.now, limit,
+                       vectors=partial(_text_vectors, store), query_vector=vector)
     if won and vector is not None:
         passages.explain(store, best, won, vector)
     return best
+
+
+def _text_vectors(store: Store, ids: list[str]) -> dict[str, np.ndarray]:
+    """The `text` key of each memory (what newest-wins compares two statements by)."""
+    return {mid: rows[-1] for mid, rows in store.key_vectors(ids, "text").items()}
 
 
 def search(engine: Engine, text: str, q: Query, limit: int) -> list[Hit]:

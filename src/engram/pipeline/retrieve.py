@@ -57,6 +57,13 @@ class RetrievalConfig:
     # units); the best candidate still gets 1.
     min_cosine_range: float = 0.4
     min_session_range: float = 0.5
+    # The window key stands for a turn with the turns before it: evidence about the turn in
+    # the measure that the turn needs them. A short reply ("Yes, since 2019!") is understood
+    # only in its context; a message of `context_chars` characters or more says what it is
+    # about by itself, and its window's match is its neighbours' (the reply after a question
+    # would inherit the question's match). So the window's contribution is scaled by
+    # 1 - length / context_chars (0 at that length and past it); 0 turns the scaling off.
+    context_chars: int = 0
 
     def __post_init__(self) -> None:
         if self.fusion not in ("weighted", "rrf"):
@@ -65,9 +72,15 @@ class RetrievalConfig:
             raise InvalidInput("candidates must be positive")
         if self.newer_page < 0:
             raise InvalidInput("newer_page must be 0 (off) or positive")
+        if self.context_chars < 0:
+            raise InvalidInput("context_chars must be 0 (off) or positive")
         if not 0 <= self.graph_depth <= 2:
             raise InvalidInput("graph_depth must be 0, 1 or 2")
 
+
+# About two of MiniLM's windows of 256 tokens (at some four characters a token): a message
+# this long is no reply that needs the turns before it to be understood.
+CONTEXT_CHARS = 2000
 
 PRESETS: dict[str, RetrievalConfig] = {
     p.name: p
@@ -76,11 +89,11 @@ PRESETS: dict[str, RetrievalConfig] = {
         RetrievalConfig("hybrid", candidates=1000, window_weight=0.3, fact_weight=0.3,
                         speaker_boost=0.2, when_boost=0.15,
                         session_weight=0.3, recency_weight=0.01, importance_weight=0.01,
-                        newer_page=10),
+                        newer_page=10, context_chars=CONTEXT_CHARS),
         # The same signals over a tenth of the candidate pool: faster, a little less recall.
         RetrievalConfig("fast", candidates=100, window_weight=0.3, fact_weight=0.3, speaker_boost=0.2,
                         when_boost=0.15, session_weight=0.3, recency_weight=0.01,
-                        importance_weight=0.01, newer_page=10),
+                        importance_weight=0.01, newer_page=10, context_chars=CONTEXT_CHARS),
         # Plain baselines, for comparison.
         RetrievalConfig("rrf", fusion="rrf", previous_weight=0.0),
         RetrievalConfig("dense", dense_weight=1.0, lexical_weight=0.0),
@@ -349,7 +362,8 @@ def span_positions(times: Mapping[K, datetime], now: datetime) -> dict[K, float]
 
 def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page: int,
                 about: Collection[str] | None = None,
-                asked: frozenset[str] = frozenset()) -> dict[str, float]:
+                asked: frozenset[str] = frozenset(),
+                same: Callable[[str, str, bool], bool] | None = None) -> dict[str, float]:
     """Topic-level newest-wins: how much each candidate on the first `page` results is lifted
     to rank just above the older ones it revises (ids of unlifted candidates are left out).
 
@@ -367,6 +381,11 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
     question's subject (`asked`: the names it mentions) never link two statements: the candidates
     were retrieved because they share them, so "Ana" links "Ana is allergic to peanuts" to
     "Ana moved to Lisbon" only by construction when the question is "Where does Ana live?".
+
+    With `same` (a test of two ids: are they about the same thing, by meaning; `same_thing`),
+    that test alone links them: a shared word or a change word says that something changed,
+    not what, and links statements that only answer the same question ("My sister is called
+    Ines", then "My partner is called Miguel", asked "What's my sister called?").
     """
     top = sorted(score, key=lambda m: (-score[m], m))[:page]
     when = {m: recs[m].observed_at or recs[m].created_at for m in top}
@@ -375,7 +394,7 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
     # much of the pool uses ("great", a name) is no topic
     shared = {w for a in top for b in top if when[a] < when[b] and recs[a].name == recs[b].name
               for w in words[a] & words[b]}
-    df = _counts(shared, list(map(_text, recs.values()))) if shared else {}
+    df = _counts(shared, list(map(_text, recs.values()))) if shared and same is None else {}
     lifted = {m: score[m] for m in top}
     for b in sorted(top, key=lambda m: (when[m], m)):
         if about is not None and b not in about:
@@ -385,10 +404,30 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
         changed = recs[b].name is not None and announces_change(recs[b].text)
         older = [a for a in top if when[a] < when[b] and recs[a].name == recs[b].name
                  and lifted[a] >= lifted[b]
-                 and (changed or any(df[w] <= 2 for w in words[a] & words[b]))]
+                 and (same(a, b, changed) if same is not None
+                      else changed or any(df[w] <= 2 for w in words[a] & words[b]))]
         if older:
             lifted[b] = max(lifted[a] for a in older) + 1e-3
     return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}
+
+
+def same_thing(vectors: Mapping[str, np.ndarray], query: np.ndarray
+               ) -> Callable[[str, str, bool], bool]:
+    """Are two statements about the same thing, by their (unit) `text` vectors: closer to each
+    other than either is to the question. Two statements that only answer the same question
+    ("My sister is called Ines", "My partner is called Miguel", asked "What's my sister
+    called?") are each closer to it than to each other; an original and its revision ("I'm
+    vegetarian", "I've started eating fish again, so I'm pescatarian") share their subject
+    and what is said of it, which the question does not. When the newer says that something
+    changed (`changed`: "we moved to Leeds"), it is closer to the older than one of them is to
+    the question. A statement without a vector is about nothing else."""
+    def same(a: str, b: str, changed: bool) -> bool:
+        va, vb = vectors.get(a), vectors.get(b)
+        if va is None or vb is None:
+            return False
+        to_query = (float(va @ query), float(vb @ query))
+        return float(va @ vb) >= (min(to_query) if changed else max(to_query))
+    return same
 
 
 def _counts(words: Collection[str], texts: Sequence[str], cap: int = 3) -> dict[str, int]:
@@ -434,7 +473,9 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
 
 
 def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
-                cfg: RetrievalConfig, now: datetime, limit: int | None = None) -> list[Ranked]:
+                cfg: RetrievalConfig, now: datetime, limit: int | None = None,
+                vectors: Callable[[list[str]], Mapping[str, np.ndarray]] | None = None,
+                query_vector: np.ndarray | None = None) -> list[Ranked]:
     """`rank` over the arrays of `fuse_arrays`: the best `limit` (default all), explained.
 
     Every adjustment is an array added to the score in a fixed order (speaker, when, recency,
@@ -451,6 +492,8 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     rows = cast(list[Candidate], got if keep is None else list(map(got.__getitem__, keep.tolist())))
     n = len(rows)
     sel = slice(None) if keep is None else keep
+    if cfg.context_chars and "window" in fused.parts:
+        fused = _in_context(fused, rows, sel, cfg.context_chars)
     base = fused.total[sel].copy()
     steps: list[tuple[str, np.ndarray | _Flag, bool]] = []  # (label, values, shown where 0 too)
 
@@ -516,7 +559,10 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         # the names the question is about ("Ana" in "Where does Ana live?") are shared by every
         # statement about her: they are the subject, never the topic that links a revision
         subject = topic_words(" ".join(re.findall(r"(?<!^)(?<![.?!] )\b[A-Z][\w'-]*", query.strip())))
-        lifts = newest_wins(on_page, dict(zip(ids, rows, strict=True)), cfg.newer_page, about, subject)
+        same = (None if vectors is None or query_vector is None
+                else same_thing(vectors(top), query_vector))
+        lifts = newest_wins(on_page, dict(zip(ids, rows, strict=True)), cfg.newer_page, about, subject,
+                            same)
         if lifts:
             at = {mid: i for i, mid in enumerate(top)}
             lift = np.zeros(n)
@@ -544,6 +590,19 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         explain["score"] = final[j]
         out.append((ids[i], final[j], explain))
     return out
+
+
+def _in_context(fused: Fused, rows: Sequence[Candidate], sel: slice | np.ndarray,
+                context_chars: int) -> Fused:
+    """The window key's contribution scaled by how much each candidate (`rows`, at `sel` of
+    the fused ids) needs the turns before it: 1 - its length / `context_chars`, at least 0
+    (see `RetrievalConfig.context_chars`)."""
+    window = fused.parts["window"]
+    lengths = np.fromiter(map(len, map(_text, rows)), float, len(rows))
+    scaled = window.copy()
+    scaled[sel] = window[sel] * np.clip(1.0 - lengths / context_chars, 0.0, 1.0)
+    return Fused(fused.ids, {**fused.parts, "window": scaled}, fused.found,
+                 fused.total - window + scaled)
 
 
 @dataclass(eq=False)

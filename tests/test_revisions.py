@@ -1,0 +1,62 @@
+"""Newest-wins only where one statement revises another (issue 31), and the first hit of the
+examples a new user runs: the demo's questions and the issue's own cases, with the real
+embedder, through `Memory.search` and the CLI."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from engram import Memory
+from engram.cli import app
+
+JAN, MAR, MAY = (datetime(2025, m, 1, 9, tzinfo=UTC) for m in (1, 3, 5))
+
+
+def first(mem: Memory, question: str, user: str) -> str:
+    return mem.search(question, user_id=user, limit=3)[0].memory.text
+
+
+def test_an_unrelated_newer_fact_never_takes_the_place_of_the_answer(mem: Memory) -> None:
+    """The issue's case: the sister's name is newer than the allergy, and close enough in
+    meaning for a page of two, but it revises nothing."""
+    mem.add("The user is allergic to peanuts", user_id="u", kind="semantic", observed_at=JAN)
+    mem.add("The user's sister is called Ines", user_id="u", kind="semantic", observed_at=MAR)
+    assert first(mem, "what food is dangerous for the user?", "u") == "The user is allergic to peanuts"
+
+
+def test_two_answers_to_one_question_do_not_revise_each_other(mem: Memory) -> None:
+    """'called' links the two statements only through the question: the partner's name,
+    newer, stays below the sister's."""
+    mem.add([{"role": "user", "content": "My sister is called Ines."}], user_id="u",
+            session_id="a", observed_at=JAN, infer=False)
+    mem.add([{"role": "user", "content": "My partner is called Miguel."}], user_id="u",
+            session_id="b", observed_at=MAR, infer=False)
+    assert first(mem, "What's my sister called?", "u") == "My sister is called Ines."
+
+
+def test_a_revision_with_no_word_in_common_comes_first(mem: Memory) -> None:
+    """Vegetarian, then pescatarian: no shared word and no change word, but the two are closer
+    to each other than either is to the question."""
+    old, new = "I'm vegetarian.", "I've started eating fish again, so I'm pescatarian."
+    mem.add([{"role": "user", "content": old}], user_id="u", session_id="a", observed_at=JAN,
+            infer=False)
+    mem.add([{"role": "user", "content": new}], user_id="u", session_id="b", observed_at=MAY,
+            infer=False)
+    hits = mem.search("What diet do I follow?", user_id="u", limit=2)
+    assert [h.memory.text for h in hits] == [new, old]
+    assert hits[0].explain["newer"] > 0  # the lift shows
+
+
+def test_the_demo_answers_each_question_first(tmp_path: Path) -> None:
+    out = CliRunner().invoke(app, ["--db", str(tmp_path / "demo.db"), "demo", "--json"])
+    assert out.exit_code == 0, out.output
+    top = {q["query"]: q["hits"][0]["memory"]["text"] for q in json.loads(out.stdout)["queries"]}
+    assert top["Where does Ana live?"].startswith("Ana lives in Lisbon")
+    assert "machine learning engineer at Clínica+" in top["What is Ana's job?"]
+    assert "Miso" in top["What is the name of Ana's dog?"]
+    assert "October" in top["When is Ana's trip to Japan?"]
+    assert "cilantro" in top["What food should I avoid suggesting to Ana?"]
