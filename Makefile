@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install dev run test lint bench-locomo bench-scale bench-load bench-consolidation \
+.PHONY: install dev run test lint bench-locomo bench-retrieval bench-scale bench-load bench-consolidation \
 	bench-context bench-summaries bench-lifecycle bench-updates bench-parity bench-redaction \
 	bench-encryption bench-entities bench-frameworks bench-peers bench-embed console-shots docs clean
 
@@ -63,6 +63,11 @@ docs: $(VENV)/.docs-installed
 
 bench-locomo: install
 	$(PY) bench/locomo.py
+
+# LoCoMo dev, BEAM dev and the profile set, the fused preset beside each of its retrievers
+# (docs/benchmarks.md, Retrieval); the ingested databases stay in bench/results/retrieval/
+bench-retrieval: install
+	nice $(PY) bench/retrieval.py
 
 # the local embedder alone: turns/s (wall, CPU), query latency, int8's cosine to fp32
 bench-embed: install
