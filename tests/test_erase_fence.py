@@ -443,6 +443,40 @@ def test_a_relation_begun_before_an_erasure_is_not_written_after_it(tmp_path: Pa
     assert in_files(folder, [text]) == []
 
 
+def test_an_import_begun_before_an_erasure_does_not_bring_the_scope_back(
+        tmp_path: Path, embedder: MiniLM) -> None:
+    folder = tmp_path / "db"
+    folder.mkdir()
+    text = canary()
+    dump = tmp_path / "ana.jsonl"
+    with Memory(tmp_path / "source.db", embedder=embedder, llm=None) as source:
+        source.add(f"I'm Ana {text}", user_id="ana", session_id="s1")
+        source.relate("Ana", "lives_in", "Lisbon", user_id="ana")
+        source.export(dump, user_id="ana")
+    held = HeldEmbedder(text)
+    outcome: list[BaseException] = []
+    with Memory(folder / "m.db", embedder=held, llm=None) as mem:
+        def load() -> None:
+            try:
+                mem.import_(dump)
+            except Erased as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=load)
+        t.start()
+        assert held.calls.wait(30)  # embedding what it imports
+        mem.erase(user_id="ana")
+        held.go.set()
+        t.join(30)
+        assert len(outcome) == 1 and outcome[0].covered  # type: ignore[attr-defined]
+        scope_is_empty(mem, "ana")
+        assert graph_rows(mem) == [0, 0, 0]
+        assert in_files(folder, [text]) == []
+        held.word = "nothing held any more"
+        assert mem.import_(dump) == 1  # imported again after the erasure: a new write
+    assert in_files(folder, [text]) == [text]  # the control
+
+
 # -- extraction (with the graph) and reflection over a real LLM -------------------------------------
 
 @pytest.fixture(scope="module")

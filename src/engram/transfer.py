@@ -38,6 +38,7 @@ from .model import (
 )
 from .pipeline import extract as extraction
 from .pipeline.engine import Engine
+from .pipeline.fence import Fence
 from .pipeline.index import Keys, index
 from .pipeline.text import content_hash
 from .redact import redact, redact_value
@@ -149,6 +150,7 @@ def import_(engine: Engine, path: Path, progress: Callable[[int, int], None] | N
     policy = engine.config.redact
     items = [redacted(rec, events, policy) for rec, events in contents.memories]
     store = engine.store
+    fence = Fence.take(store, Scope())  # before anything is read
     existing = store.get([rec.id for rec, _ in items])
     todo = [(rec, events) for rec, events in items if rec.id not in existing]
     keys: dict[str, Keys] = {}
@@ -164,6 +166,9 @@ def import_(engine: Engine, path: Path, progress: Callable[[int, int], None] | N
     names = [e.name for e in new_entities]
     vectors = np.asarray(engine.embedder.embed_batch(names)) if names else np.zeros((0, 0))
     with store.write() as tx:
+        # a scope erased while the import embedded is not brought back by it: Erased
+        fence.hold_all(tx, {*(rec.scope for rec, _ in items), *(s.scope for s in contents.sessions),
+                            *(e.scope for e in contents.entities)})
         for rec, events in todo:
             tx.insert(rec, *keys[rec.id])
             if rec.deleted_at is not None:

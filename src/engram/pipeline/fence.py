@@ -9,6 +9,7 @@ commits, in this process or any other.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -53,6 +54,16 @@ def covers(e: Erasure, scope: Scope) -> bool:
         for v, w in zip(e.scope.as_dict().values(), scope.as_dict().values(), strict=True))
 
 
+def _check(marks: list[Erasure], scopes: Iterable[Scope], reads: bool) -> None:
+    hashed = {valid.pseudonymous(s) for s in scopes}
+    hits = [e for e in marks if any(overlaps(e, s) for s in hashed)]
+    covered = any(covers(e, s) for e in hits for s in hashed)
+    if covered or (reads and hits):
+        what = "erased" if covered else "partly erased (a memory or session in it)"
+        raise Erased(f"the scope was {what} while this write ran; nothing was written",
+                     covered=covered)
+
+
 @dataclass(frozen=True)
 class Fence:
     """What a write in `scope` begins under: the latest erasure mark `seq`, and for a job, the
@@ -72,13 +83,12 @@ class Fence:
         the fence was taken touched this write's scope: with `reads`, any that overlaps it
         (what the write read may be gone, e.g. the recent turns an extraction saw); else only
         one that took the whole scope (the write would bring back a row, e.g. a session's)."""
-        mine = valid.pseudonymous(self.scope)
-        hits = [e for e in tx.erasures(self.seq) if overlaps(e, mine)]
-        covered = any(covers(e, mine) for e in hits)
-        if covered or (reads and hits):
-            what = "erased" if covered else "partly erased (a memory or session in it)"
-            raise Erased(f"the scope was {what} while this write ran; nothing was written",
-                         covered=covered)
+        _check(tx.erasures(self.seq), [self.scope], reads)
+
+    def hold_all(self, tx: Tx, scopes: Iterable[Scope]) -> None:
+        """`hold(tx, reads=False)` for each of `scopes`: a write into many scopes whose rows
+        come from the caller (an import), not from what it read."""
+        _check(tx.erasures(self.seq), scopes, False)
 
     def finish(self, tx: Tx, job: Job) -> None:
         """Write the job's final row (done, or queued again): an UPDATE that must find the row
