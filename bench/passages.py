@@ -11,6 +11,8 @@ come from one ingested database: "text" ranks by the `text` key alone (`Store.de
 dense retriever was before passages), "passages" is `Memory.search` with the `dense` preset
 (the best of text and passage keys). Ingest speed: the first `--ingest-chats` chats added
 with and without passage keys, turns per second of wall clock (report `uptime` beside it).
+Needles: a sentence on another subject appended to a long message of each chat (`NEEDLES`),
+found by a question about it or not, by the text key alone and with passages.
 """
 
 from __future__ import annotations
@@ -69,6 +71,62 @@ def ingest(mem: Memory, chats: list[dict[str, Any]]) -> tuple[int, float]:
     return n, time.perf_counter() - t
 
 
+# A sentence on another subject, and the question about it: appended to a long message, past
+# the window its text key reads (docs/passages.md, "What the margin costs").
+NEEDLES = [
+    ("By the way, my dentist appointment moved to Thursday at 4pm.",
+     "When is my dentist appointment?"),
+    ("Also, my sister Ines is getting married in Porto next June.",
+     "Where is my sister's wedding?"),
+    ("Unrelated, but I adopted a grey cat named Pixel last week.", "What is the name of my cat?"),
+    ("Side note: I am allergic to peanuts, so no peanut snacks at the meetup.",
+     "What food allergy do I have?"),
+    ("Oh, and my flight to Tokyo leaves on the 14th from Lisbon.",
+     "When does my flight to Tokyo leave?"),
+    ("I also started learning the cello on Saturday mornings.", "What instrument am I learning?"),
+    ("My landlord is raising the rent to 1,450 euros from March.", "How much will my rent be?"),
+    ("My favourite dessert is still my grandmother's apricot jam tart.",
+     "What is my favourite dessert?"),
+    ("I ran my first half marathon in 1 hour 52 minutes last Sunday.",
+     "What was my half marathon time?"),
+    ("The plumber is coming on Monday to fix the leaking kitchen sink.",
+     "When is the plumber coming?"),
+]
+
+
+def needles(mem: Memory, chats: list[dict[str, Any]], embedder: Any) -> dict[str, Any]:
+    """Each needle appended to a long message (over 3,000 characters) of each chat, added as
+    one more memory of the chat and asked about, then deleted: is it first, in the top 10, by
+    the text key alone and by `Memory.search` (dense preset)?"""
+    rng = np.random.default_rng(0)
+    found = {"text": [0, 0], "passages": [0, 0]}
+    n = 0
+    for chat in chats:
+        long = [m["content"] for m in chat["messages"] if len(m["content"]) > 3000]
+        if len(long) < len(NEEDLES):
+            continue
+        scope = Scope(user(chat))
+        for (sentence, question), i in zip(NEEDLES, rng.choice(len(long), len(NEEDLES),
+                                                               replace=False), strict=True):
+            added = mem.add(f"{long[i]}\n\n{sentence}", user_id=scope.user_id,
+                            session_id="needles", infer=False).memories[0].id
+            vector = embedder.embed_batch([question])[0]
+            text = [m for m, _ in store_dense(mem, scope, vector)]
+            hits = [h.memory.id for h in mem.search(question, user_id=scope.user_id, limit=10)]
+            for label, ranked in (("text", text), ("passages", hits)):
+                found[label][0] += ranked[:1] == [added]
+                found[label][1] += added in ranked
+            mem.delete(added)
+            n += 1
+    return {"needles": n, **{f"{label}_at_1": round(a / max(n, 1), 3)
+                             for label, (a, _) in found.items()},
+            **{f"{label}_in_10": round(b / max(n, 1), 3) for label, (_, b) in found.items()}}
+
+
+def store_dense(mem: Memory, scope: Scope, vector: np.ndarray) -> list[tuple[str, float]]:
+    return mem.store.dense(Query(scope=scope, now=utcnow()), vector, 10, key="text")
+
+
 def recall(ranked: list[str], gold: set[str]) -> list[float]:
     return [len(gold & set(ranked[:k])) / len(gold) for k in KS]
 
@@ -89,7 +147,7 @@ def main() -> None:
     # Ingest speed, with and without passage keys, each on a fresh database.
     sample = chats[:args.ingest_chats]
     told = passages.of
-    for label in ("without", "with"):
+    for label in ("without", "with") if sample else ():
         path = args.db.with_suffix(f".ingest-{label}.db")
         for p in path.parent.glob(path.name + "*"):
             p.unlink()
@@ -137,6 +195,7 @@ def main() -> None:
         for label, total in sums.items():
             out[f"dense_{label}"] = {f"R@{k}": round(float(v / count), 3)
                                      for k, v in zip(KS, total, strict=True)}
+        out["needles"] = needles(mem, chats, embedder)
     if args.json:
         print(json.dumps(out, indent=1))
     else:
