@@ -2,7 +2,8 @@
 `newest_wins` and `rank_arrays` over `Candidate` objects, one row at a time. The reference that
 tests/test_ranking_fast.py holds the fast path to: the same hits, scores and explanations.
 Since issue 31 it also scales the window key by a turn's need of context (`context_chars`) and
-links a revision by meaning when the statements' vectors are given (`same_thing`)."""
+asks a revision to be about the same thing by meaning when the statements' vectors are given
+(`same_thing`)."""
 
 from __future__ import annotations
 
@@ -102,8 +103,8 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
         changed = recs[b].name is not None and announces_change(recs[b].text)
         older = [a for a in top if when[a] < when[b] and recs[a].name == recs[b].name
                  and lifted[a] >= lifted[b]
-                 and (same(a, b, changed) if same is not None
-                      else changed or any(df[w] <= 2 for w in words[a] & words[b]))]
+                 and (changed or any(df[w] <= 2 for w in words[a] & words[b]))
+                 and (same is None or same(a, b, changed))]
         if older:
             lifted[b] = max(lifted[a] for a in older) + 1e-3
     return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}

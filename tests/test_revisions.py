@@ -38,15 +38,16 @@ def test_two_answers_to_one_question_do_not_revise_each_other(mem: Memory) -> No
     assert first(mem, "What's my sister called?", "u") == "My sister is called Ines."
 
 
-def test_a_revision_with_no_word_in_common_comes_first(mem: Memory) -> None:
-    """Vegetarian, then pescatarian: no shared word and no change word, but the two are closer
-    to each other than either is to the question."""
-    old, new = "I'm vegetarian.", "I've started eating fish again, so I'm pescatarian."
-    mem.add([{"role": "user", "content": old}], user_id="u", session_id="a", observed_at=JAN,
-            infer=False)
-    mem.add([{"role": "user", "content": new}], user_id="u", session_id="b", observed_at=MAY,
-            infer=False)
-    hits = mem.search("What diet do I follow?", user_id="u", limit=2)
+def test_a_revision_said_as_a_change_comes_first(mem: Memory) -> None:
+    """'I left the hospital ... now': a change word and a shared word, and the two statements
+    are closer to each other than the newer is to the question."""
+    old = "I work as a nurse at Santa Maria hospital."
+    new = "I left the hospital, I'm a paramedic with the fire brigade now."
+    mem.add([{"role": "user", "name": "Tom", "content": old}], user_id="u", session_id="a",
+            observed_at=JAN, infer=False)
+    mem.add([{"role": "user", "name": "Tom", "content": new}], user_id="u", session_id="b",
+            observed_at=MAY, infer=False)
+    hits = mem.search("What do I do for work?", user_id="u", limit=2)
     assert [h.memory.text for h in hits] == [new, old]
     assert hits[0].explain["newer"] > 0  # the lift shows
 

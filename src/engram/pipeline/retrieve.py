@@ -383,9 +383,10 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
     "Ana moved to Lisbon" only by construction when the question is "Where does Ana live?".
 
     With `same` (a test of two ids: are they about the same thing, by meaning; `same_thing`),
-    that test alone links them: a shared word or a change word says that something changed,
-    not what, and links statements that only answer the same question ("My sister is called
-    Ines", then "My partner is called Miguel", asked "What's my sister called?").
+    the two must also pass it: a shared word or a change word says that a revision may be
+    there, not that these two are its statements. "Called" links "My sister is called Ines"
+    to the newer "My partner is called Miguel" only through the question "What's my sister
+    called?"; their vectors say each is closer to the question than to the other.
     """
     top = sorted(score, key=lambda m: (-score[m], m))[:page]
     when = {m: recs[m].observed_at or recs[m].created_at for m in top}
@@ -394,7 +395,7 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
     # much of the pool uses ("great", a name) is no topic
     shared = {w for a in top for b in top if when[a] < when[b] and recs[a].name == recs[b].name
               for w in words[a] & words[b]}
-    df = _counts(shared, list(map(_text, recs.values()))) if shared and same is None else {}
+    df = _counts(shared, list(map(_text, recs.values()))) if shared else {}
     lifted = {m: score[m] for m in top}
     for b in sorted(top, key=lambda m: (when[m], m)):
         if about is not None and b not in about:
@@ -404,8 +405,8 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
         changed = recs[b].name is not None and announces_change(recs[b].text)
         older = [a for a in top if when[a] < when[b] and recs[a].name == recs[b].name
                  and lifted[a] >= lifted[b]
-                 and (same(a, b, changed) if same is not None
-                      else changed or any(df[w] <= 2 for w in words[a] & words[b]))]
+                 and (changed or any(df[w] <= 2 for w in words[a] & words[b]))
+                 and (same is None or same(a, b, changed))]
         if older:
             lifted[b] = max(lifted[a] for a in older) + 1e-3
     return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}
