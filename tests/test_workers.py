@@ -19,13 +19,8 @@ import httpx2
 import pytest
 
 from engram.config import Config
-from engram.server.ratelimit import (
-    RateLimiter,
-    SharedRateLimiter,
-    open_rate_limiter,
-    refill,
-    sqlite_rate_limiter,
-)
+from engram.server.ratelimit import RateLimiter, SharedRateLimiter, open_rate_limiter, refill
+from engram.store.sqlite import SQLiteRateBuckets
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -69,9 +64,8 @@ def test_in_process_limiter_is_per_tenant() -> None:
 
 def test_sqlite_limiter_refills_at_the_rate(tmp_path: Path) -> None:
     now = [1000.0]
-    base = sqlite_rate_limiter(tmp_path / "ratelimit.db", rate=2.0, burst=2)
-    limiter = SharedRateLimiter(base._run, table="rate_buckets", mark="?", least="min",
-                                greatest="max", rate=2.0, burst=2, clock=lambda: now[0])
+    limiter = SharedRateLimiter(SQLiteRateBuckets(tmp_path / "ratelimit.db"), rate=2.0,
+                                burst=2, clock=lambda: now[0])
     try:
         assert [limiter.take("a"), limiter.take("a")] == [0.0, 0.0]
         assert limiter.take("a") == pytest.approx(0.5)   # empty: the next token in 1/rate
@@ -80,15 +74,14 @@ def test_sqlite_limiter_refills_at_the_rate(tmp_path: Path) -> None:
         assert limiter.take("a") == 0.0
         assert limiter.take("a") > 0.0
     finally:
-        base.close()
+        limiter.close()
 
 
 def test_shared_limiter_charges_one_tenant_into_debt(tmp_path: Path) -> None:
     """A costly request's extra units (limits.cost) come out of the shared bucket too."""
     now = [1000.0]
-    base = sqlite_rate_limiter(tmp_path / "ratelimit.db", rate=10.0, burst=20)
-    limiter = SharedRateLimiter(base._run, table="rate_buckets", mark="?", least="min",
-                                greatest="max", rate=10.0, burst=20, clock=lambda: now[0])
+    limiter = SharedRateLimiter(SQLiteRateBuckets(tmp_path / "ratelimit.db"), rate=10.0,
+                                burst=20, clock=lambda: now[0])
     try:
         assert limiter.take("a") == 0.0 and limiter.take("b") == 0.0
         limiter.charge("a", 100)
@@ -96,7 +89,7 @@ def test_shared_limiter_charges_one_tenant_into_debt(tmp_path: Path) -> None:
         now[0] += 20
         assert limiter.take("a") == 0.0
     finally:
-        base.close()
+        limiter.close()
 
 
 def test_two_processes_share_one_sqlite_bucket(tmp_path: Path) -> None:
@@ -132,7 +125,8 @@ def test_a_postgres_take_does_not_wait_for_the_wal_flush(tmp_path: Path, pg_serv
     try:
         assert limiter.take("t") == 0.0  # the first take creates the table
         assert isinstance(limiter, SharedRateLimiter)
-        assert limiter._run("SELECT current_setting('synchronous_commit')", []) == [("off",)]
+        assert limiter.buckets._run("SELECT current_setting('synchronous_commit')",  # type: ignore[attr-defined]
+                                    []) == [("off",)]
         assert limiter.take("t") == 0.0
     finally:
         limiter.close()
@@ -210,44 +204,46 @@ def test_serve_with_workers_shares_data_and_limits(tmp_path: Path) -> None:
 
 
 def test_side_tables_are_created_once_by_racing_processes(tmp_path: Path, pg_server: Any) -> None:
-    """Every process of a fresh service creates the keys, audit and rate-limit tables at its
+    """Every process of a fresh service migrates the keys, audit and rate-limit tables at its
     first request; `CREATE TABLE IF NOT EXISTS` alone lets racing creators collide in the
-    catalog (a unique violation on pg_type, seen in CI), so they take the migration lock."""
+    catalog (a unique violation on pg_type, seen in CI), so each migration takes the
+    migration lock and is recorded once."""
     import threading
 
     import psycopg
 
-    from engram.server import audit, keys, ratelimit
-    from engram.store.postgres.schema import create_tables
+    from engram.server import audit
+    from engram.store.postgres import PostgresKeys, PostgresRateBuckets
     from pg_server import PG
 
     url = PG.database_for(tmp_path)
-    statements = [keys._PG_SCHEMA, ratelimit._PG_SCHEMA]
-    conns = [psycopg.connect(url, autocommit=True) for _ in range(6)]
-    start = threading.Barrier(len(conns))
+    tables = [PostgresKeys(url) if i % 2 else PostgresRateBuckets(url) for i in range(6)]
+    start = threading.Barrier(len(tables))
     errors: list[BaseException] = []
 
-    def create(conn: Any) -> None:
+    def create(table: Any) -> None:
         start.wait()
         try:
-            with conn.transaction():
-                create_tables(conn, *statements)
+            table._migrated()
         except BaseException as exc:  # noqa: BLE001 - collected and asserted below
             errors.append(exc)
 
-    threads = [threading.Thread(target=create, args=(c,)) for c in conns]
+    threads = [threading.Thread(target=create, args=(t,)) for t in tables]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
     try:
         assert errors == []
-        names = {r[0] for r in conns[0].execute("SELECT tablename FROM pg_tables")}
-        assert {"engram_api_keys", "engram_rate_buckets"} <= names
+        with psycopg.connect(url) as conn:
+            names = {r[0] for r in conn.execute("SELECT tablename FROM pg_tables")}
+            done = [r[0] for r in conn.execute("SELECT name FROM schema_migrations")]
+        assert {"engram_api_keys", "engram_console_logins", "engram_rate_buckets"} <= names
+        assert sorted(done) == ["service_0001_keys", "service_0001_rate_buckets"]
     finally:
-        for c in conns:
-            c.close()
-    log = audit.PostgresAuditLog(url)  # the audit log creates its table through the same helper
+        for t in tables:
+            t.close()
+    log = audit.PostgresAuditLog(url)  # the audit log migrates its table the same way
     try:
         assert log.entries(tenant=None, all_tenants=True) == []
     finally:

@@ -5,7 +5,8 @@ status and the result's size: a structured log line (logger `engram.audit`) and 
 the scope fields are the only part of a request body that is read.
 
 The table is `audit.db` beside the database (encrypted with the database's key when one is
-set), or `engram_audit` in the PostgreSQL database.
+set), or `engram_audit` in the PostgreSQL database; its migrations and SQL are the store's
+(store/service.py).
 """
 
 from __future__ import annotations
@@ -15,12 +16,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Query
 from pydantic import BaseModel
@@ -30,10 +29,13 @@ from ..backup import AUDIT_FILE
 from ..config import Config
 from ..errors import StoreBusy, StoreUnavailable
 from ..model import new_id
-from ..store.sqlite import Connections
+from ..store.sqlite import SQLiteAudit
 from .auth import Principal, require_admin
 from .guard import PRINCIPAL
 from .routes import COMMON, Context
+
+if TYPE_CHECKING:
+    from ..store.postgres import PostgresAudit
 
 log = logging.getLogger("engram.audit")
 
@@ -74,95 +76,39 @@ class AuditLog(Protocol):
     def close(self) -> None: ...
 
 
-COLUMNS = ("id", "at", "key_id", "tenant", "method", "route", "status", "user_id", "agent_id",
-           "session_id", "result_bytes", "duration_ms")
+class _TableAuditLog:
+    """The audit log over the store's audit table (`SQLiteAudit`, `PostgresAudit`)."""
 
-
-def _where(mark: str, tenant: str | None, all_tenants: bool, key_id: str | None,
-           route: str | None) -> tuple[str, list[Any]]:
-    parts, params = [], []
-    if not all_tenants:
-        parts.append("tenant IS NULL" if tenant is None else f"tenant = {mark}")
-        params += [] if tenant is None else [tenant]
-    for column, value in (("key_id", key_id), ("route", route)):
-        if value is not None:
-            parts.append(f"{column} = {mark}")
-            params.append(value)
-    return (" AND ".join(parts) or "1 = 1"), params
-
-
-class SQLiteAuditLog:
-    """The audit table in its own SQLite file, over the store's connection layer."""
-
-    def __init__(self, path: Path, key: str | None = None) -> None:
-        self._db = Connections(path, busy_timeout_s=10.0, label=f"the audit log {path}", key=key)
-        with self._db.transaction() as conn:
-            conn.execute("CREATE TABLE IF NOT EXISTS audit (id TEXT PRIMARY KEY, at REAL NOT NULL, "
-                         "key_id TEXT, tenant TEXT, method TEXT NOT NULL, route TEXT NOT NULL, "
-                         "status INTEGER NOT NULL, user_id TEXT, agent_id TEXT, session_id TEXT, "
-                         "result_bytes INTEGER NOT NULL, duration_ms REAL NOT NULL)")
-            conn.execute("CREATE INDEX IF NOT EXISTS audit_tenant ON audit(tenant, at)")
+    def __init__(self, table: SQLiteAudit | PostgresAudit) -> None:
+        self._table = table
 
     def record_many(self, entries: list[Entry]) -> None:
-        rows = [[*asdict(e).values()] for e in entries]
-        for row, e in zip(rows, entries, strict=True):
-            row[1] = e.at.timestamp()
-        with self._db.transaction() as conn:
-            conn.executemany(f"INSERT INTO audit VALUES ({', '.join('?' * len(COLUMNS))})", rows)
+        self._table.insert([tuple(asdict(e).values()) for e in entries])
 
     def entries(self, *, tenant: str | None, all_tenants: bool = False, key_id: str | None = None,
                 route: str | None = None, limit: int = 100) -> list[Entry]:
-        where, params = _where("?", tenant, all_tenants, key_id, route)
-        rows = self._db.read(f"SELECT {', '.join(COLUMNS)} FROM audit WHERE {where} "
-                             f"ORDER BY at DESC, rowid DESC LIMIT {int(limit)}", params)
-        return [Entry(r[0], datetime.fromtimestamp(r[1], UTC), *r[2:]) for r in rows]
-
-    def close(self) -> None:
-        self._db.close()
-
-
-class PostgresAuditLog:
-    """The audit table `engram_audit` of the shared PostgreSQL database."""
-
-    def __init__(self, url: str, *, connect_timeout_s: float = 5.0) -> None:
-        from ..store.postgres import Pool  # psycopg is only imported when used
-
-        self._pool = Pool(url, max_size=4, wait_s=connect_timeout_s,
-                          connect_timeout_s=connect_timeout_s)
-        self._ready = False
-
-    @contextmanager
-    def _cursor(self) -> Iterator[Any]:
-        with self._pool.transaction() as conn:
-            if not self._ready:
-                from ..store.postgres import create_tables
-
-                create_tables(conn, "CREATE TABLE IF NOT EXISTS engram_audit (id TEXT PRIMARY KEY, "
-                              "at TIMESTAMPTZ NOT NULL, key_id TEXT, tenant TEXT, method TEXT NOT NULL, "
-                              "route TEXT NOT NULL, status INTEGER NOT NULL, user_id TEXT, "
-                              "agent_id TEXT, session_id TEXT, result_bytes BIGINT NOT NULL, "
-                              "duration_ms DOUBLE PRECISION NOT NULL)",
-                              "CREATE INDEX IF NOT EXISTS engram_audit_tenant ON engram_audit(tenant, at)")
-                self._ready = True
-            with conn.cursor() as cur:
-                yield cur
-
-    def record_many(self, entries: list[Entry]) -> None:
-        with self._cursor() as cur:
-            cur.executemany(f"INSERT INTO engram_audit VALUES ({', '.join(['%s'] * len(COLUMNS))})",
-                            [list(asdict(e).values()) for e in entries])
-
-    def entries(self, *, tenant: str | None, all_tenants: bool = False, key_id: str | None = None,
-                route: str | None = None, limit: int = 100) -> list[Entry]:
-        where, params = _where("%s", tenant, all_tenants, key_id, route)
-        with self._cursor() as cur:
-            cur.execute(f"SELECT {', '.join(COLUMNS)} FROM engram_audit WHERE {where} "
-                        f"ORDER BY at DESC, id DESC LIMIT {int(limit)}", params)
-            rows = cur.fetchall()
+        rows = self._table.entries(tenant=tenant, all_tenants=all_tenants, key_id=key_id,
+                                   route=route, limit=limit)
         return [Entry(*r) for r in rows]
 
     def close(self) -> None:
-        self._pool.close()
+        self._table.close()
+
+
+class SQLiteAuditLog(_TableAuditLog):
+    """The audit table in its own SQLite file."""
+
+    def __init__(self, path: Path, key: str | None = None) -> None:
+        super().__init__(SQLiteAudit(path, key))
+
+
+class PostgresAuditLog(_TableAuditLog):
+    """The audit table `engram_audit` of the shared PostgreSQL database."""
+
+    def __init__(self, url: str, *, connect_timeout_s: float = 5.0) -> None:
+        from ..store.postgres import PostgresAudit  # psycopg is only imported when used
+
+        super().__init__(PostgresAudit(url, connect_timeout_s=connect_timeout_s))
 
 
 class GroupWriter:

@@ -5,27 +5,24 @@ A bucket holds up to `burst` tokens and gains `rate` per second; each request ta
 empty bucket answers how long until the next token, which the service sends as Retry-After.
 `engram serve --workers N` runs N processes: their buckets live in a table every process
 reads and updates in one atomic statement (`ratelimit.db` beside the SQLite database, or the
-`engram_rate_buckets` table of the PostgreSQL one), so a tenant gets `rate`, not N times it.
+`engram_rate_buckets` table of the PostgreSQL one; the store's tables and SQL,
+store/service.py), so a tenant gets `rate`, not N times it.
 """
 
 from __future__ import annotations
 
 import math
-import sqlite3
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from ..errors import StoreError, StoreUnavailable
-from ..store.sqlite import private_file
+from ..store.sqlite import SQLiteRateBuckets
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..store.postgres import Pool
 
 
 class Limiter(Protocol):
@@ -99,39 +96,21 @@ class RateLimiter:
         pass
 
 
-# One statement takes a token atomically, whichever process runs it: the row is created full
-# (minus the token taken), else refilled for the time since `at` and decremented if it holds
-# a whole token; `wait` says how long until the next one (0: taken). The same text runs on
-# SQLite (3.35+: upsert with RETURNING; min/max of two values) and, with `least`/`greatest`
-# and %s placeholders, on PostgreSQL.
-_TAKE = """
-INSERT INTO {table} AS b (bucket, tokens, at, wait) VALUES ({m}, {m} - 1, {m}, 0)
-ON CONFLICT (bucket) DO UPDATE SET
-    tokens = CASE WHEN {lo}({m}, b.tokens + {hi}(0, {m} - b.at) * {m}) >= 1
-                  THEN {lo}({m}, b.tokens + {hi}(0, {m} - b.at) * {m}) - 1
-                  ELSE {lo}({m}, b.tokens + {hi}(0, {m} - b.at) * {m}) END,
-    wait = CASE WHEN {lo}({m}, b.tokens + {hi}(0, {m} - b.at) * {m}) >= 1 THEN 0
-                ELSE (1 - {lo}({m}, b.tokens + {hi}(0, {m} - b.at) * {m})) / {m} END,
-    at = {m}
-RETURNING wait"""
-# A costly request's extra units: the bucket may go below zero (debt, paid back by the refill).
-_CHARGE = "UPDATE {table} SET tokens = tokens - {m} WHERE bucket = {m} RETURNING tokens"
-# Buckets unseen for an hour are full again by any sane rate: dropped now and then.
-_PRUNE = "DELETE FROM {table} WHERE at < {m}"
-_SQLITE_SCHEMA = ("CREATE TABLE IF NOT EXISTS rate_buckets (bucket TEXT PRIMARY KEY, "
-                  "tokens REAL NOT NULL, at REAL NOT NULL, wait REAL NOT NULL)")
-_PG_SCHEMA = ("CREATE TABLE IF NOT EXISTS engram_rate_buckets (bucket TEXT PRIMARY KEY, "
-              "tokens DOUBLE PRECISION NOT NULL, at DOUBLE PRECISION NOT NULL, "
-              "wait DOUBLE PRECISION NOT NULL)")
+class Buckets(Protocol):
+    """The store's shared buckets (`SQLiteRateBuckets`, `PostgresRateBuckets`)."""
 
+    def take(self, bucket: str, now: float, rate: float, burst: int) -> float: ...
 
-def _take_params(tenant: str, now: float, rate: float, burst: int) -> list[Any]:
-    refilled = [burst, now, rate]  # lo(burst, tokens + hi(0, now - at) * rate)
-    return [tenant, float(burst), now, *refilled * 4, *refilled, rate, now]
+    def charge(self, bucket: str, units: float) -> None: ...
+
+    def prune(self, before: float) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class SharedRateLimiter:
-    """Buckets in a database table that every service process shares (see the module doc).
+    """Buckets in a database table that every service process shares (see the module doc):
+    each take is one atomic statement of the store's.
 
     The clock is the wall clock (`time.time`), the one clock every process and host agrees
     on; a step backwards refills nothing. The shared state is small and disposable: losing
@@ -140,102 +119,28 @@ class SharedRateLimiter:
 
     PRUNE_EVERY = 10_000  # takes between two prunes of long-idle buckets
 
-    def __init__(self, run: Callable[[str, Sequence[Any]], list[Any]], *, table: str, mark: str,
-                 least: str, greatest: str, rate: float, burst: int,
-                 close: Callable[[], None] = lambda: None,
+    def __init__(self, buckets: Buckets, *, rate: float, burst: int,
                  clock: Callable[[], float] = time.time) -> None:
         _check(rate, burst)
         self.rate = rate
         self.burst = burst
-        self._run = run
-        self._close = close
+        self.buckets = buckets
         self._clock = clock
-        self._take = _TAKE.format(table=table, m=mark, lo=least, hi=greatest)
-        self._prune = _PRUNE.format(table=table, m=mark)
-        self._charge = _CHARGE.format(table=table, m=mark)
         self._count = 0
 
     def take(self, tenant: str) -> float:
         now = self._clock()
         self._count += 1
         if self._count % self.PRUNE_EVERY == 0:
-            self._run(self._prune, [now - 3600])
-        rows = self._run(self._take, _take_params(tenant, now, self.rate, self.burst))
-        return float(rows[0][0])
+            self.buckets.prune(now - 3600)  # unseen for an hour: full again by any sane rate
+        return self.buckets.take(tenant, now, self.rate, self.burst)
 
     def charge(self, tenant: str, units: float) -> None:
         if units > 0:
-            self._run(self._charge, [float(units), tenant])
+            self.buckets.charge(tenant, units)
 
     def close(self) -> None:
-        self._close()
-
-
-def sqlite_rate_limiter(path: Path, rate: float, burst: int) -> SharedRateLimiter:
-    """Buckets in their own small SQLite file: one connection per thread, no fsync (the
-    state is disposable), each take one short write transaction."""
-    local = threading.local()
-    opened: list[sqlite3.Connection] = []
-    lock = threading.Lock()
-
-    def conn() -> sqlite3.Connection:
-        c: sqlite3.Connection | None = getattr(local, "conn", None)
-        if c is None:
-            try:
-                private_file(path)  # 0600 (and its -wal and -shm), like the databases beside it
-                c = sqlite3.connect(path, timeout=10.0, isolation_level=None,
-                                    check_same_thread=False)
-                c.execute("PRAGMA journal_mode = WAL")
-                c.execute("PRAGMA synchronous = OFF")
-                c.execute(_SQLITE_SCHEMA)
-            except (OSError, sqlite3.Error) as exc:
-                raise StoreUnavailable(f"cannot open the rate limits {path}: {exc}") from exc
-            local.conn = c
-            with lock:
-                opened.append(c)
-        return c
-
-    def run(stmt: str, params: Sequence[Any]) -> list[Any]:
-        try:
-            return conn().execute(stmt, params).fetchall()
-        except sqlite3.Error as exc:
-            raise StoreError(f"the rate limits {path}: {exc}") from exc
-
-    def close() -> None:
-        with lock:
-            for c in opened:
-                c.close()
-            opened.clear()
-
-    return SharedRateLimiter(run, table="rate_buckets", mark="?", least="min", greatest="max",
-                             rate=rate, burst=burst, close=close)
-
-
-def postgres_rate_limiter(pool: Pool, rate: float, burst: int) -> SharedRateLimiter:
-    """Buckets in a table of the shared PostgreSQL database (one round trip per take), each
-    take committed without waiting for the WAL to reach the disk, as the SQLite buckets are
-    written without an fsync: the state is disposable, and that wait was the tail of every
-    request (search p99 160-215 ms under `bench/load.py` with it, 86 ms with none)."""
-    from ..store.postgres import NO_FLUSH, create_tables
-
-    ready = threading.Event()
-
-    def run(stmt: str, params: Sequence[Any]) -> list[Any]:
-        if ready.is_set():  # BEGIN, the statement and COMMIT in one round trip, not three
-            # Sent again on a connection found dead (the server restarted): at worst a token
-            # is taken twice, where without it every process's first request after a restart
-            # answered 503 while its /ready said 200.
-            return pool.batch(None, [NO_FLUSH, (stmt, params)])[1]
-        with pool.transaction() as c:
-            if not ready.is_set():
-                create_tables(c, _PG_SCHEMA)
-                ready.set()
-            cur = c.execute(stmt, params)
-            return cur.fetchall() if cur.description is not None else []
-
-    return SharedRateLimiter(run, table="engram_rate_buckets", mark="%s", least="least",
-                             greatest="greatest", rate=rate, burst=burst,
-                             close=lambda: None if pool.close() else None)
+        self.buckets.close()
 
 
 def open_rate_limiter(config: Config, rate: float, burst: int, *, shared: bool) -> Limiter:
@@ -244,12 +149,13 @@ def open_rate_limiter(config: Config, rate: float, burst: int, *, shared: bool) 
     if not shared:
         return RateLimiter(rate, burst)
     if config.database_url:
-        from ..store.postgres import Pool  # psycopg is only imported when used
+        from ..store.postgres import PostgresRateBuckets  # psycopg is only imported when used
 
-        pool = Pool(config.database_url, max_size=4, wait_s=config.pg_connect_timeout_s,
-                    connect_timeout_s=config.pg_connect_timeout_s)
-        return postgres_rate_limiter(pool, rate, burst)
-    return sqlite_rate_limiter(config.path.parent / "ratelimit.db", rate, burst)
+        return SharedRateLimiter(PostgresRateBuckets(config.database_url,
+                                                     connect_timeout_s=config.pg_connect_timeout_s),
+                                 rate=rate, burst=burst)
+    return SharedRateLimiter(SQLiteRateBuckets(config.path.parent / "ratelimit.db"),
+                             rate=rate, burst=burst)
 
 
 def _check(rate: float, burst: int) -> None:

@@ -381,16 +381,6 @@ MIGRATIONS_TABLE = f"""CREATE TABLE IF NOT EXISTS schema_migrations (
     name {TEXT} PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"""
 
 
-def create_tables(conn: Connection, *statements: str) -> None:
-    """Run `CREATE ... IF NOT EXISTS` statements of a side table (keys, audit, rate limits,
-    checkpoints) under the migration lock: two processes creating the same table at once
-    otherwise collide in PostgreSQL's catalog (a unique violation on `pg_type`), as
-    `IF NOT EXISTS` only checks before it inserts."""
-    conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-    for stmt in statements:
-        conn.execute(stmt)
-
-
 def hnsw_index_name(dim: int) -> str:
     return f"memory_keys_hnsw_{int(dim)}"
 
@@ -405,12 +395,27 @@ def hnsw_index_sql(dim: int, *, concurrently: bool = False) -> str:
 
 def migrate(transaction: Callable[[], AbstractContextManager[Connection]]) -> tuple[int, ...]:
     """Apply the pending migrations, each in a `transaction()`; returns pgvector's version."""
-    pending = [name for name, _ in MIGRATIONS]
+    apply(transaction, MIGRATIONS)
+    with transaction() as conn:
+        row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
+    version = tuple(int(p) for p in row[0].split(".")[:2] if p.isdigit()) if row else (0, 0)
+    if version < (0, 8):
+        log.warning("pgvector %s has no iterative index scans (0.8+): filtered approximate "
+                    "searches fall back to exact scans more often", row[0] if row else "?")
+    return version
+
+
+def apply(transaction: Callable[[], AbstractContextManager[Connection]],
+          migrations: list[tuple[str, list[Step]]]) -> None:
+    """Apply the pending `migrations`, each in a `transaction()` under the migration lock,
+    recorded by name in `schema_migrations` (the store's and the service's share it: their
+    names differ)."""
+    pending = [name for name, _ in migrations]
     with transaction() as conn:
         if conn.execute("SELECT to_regclass('schema_migrations')").fetchone()[0]:  # type: ignore[index]
             done = {r[0] for r in conn.execute("SELECT name FROM schema_migrations")}
             pending = [name for name in pending if name not in done]
-    for name, statements in MIGRATIONS:
+    for name, statements in migrations:
         if name not in pending:
             continue
         with transaction() as conn:
@@ -431,10 +436,3 @@ def migrate(transaction: Callable[[], AbstractContextManager[Connection]]) -> tu
                         "must be installed by an administrator: CREATE EXTENSION vector") from exc
             conn.execute("INSERT INTO schema_migrations (name) VALUES (%s)", (name,))
             log.info("applied migration %s", name)
-    with transaction() as conn:
-        row = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'").fetchone()
-    version = tuple(int(p) for p in row[0].split(".")[:2] if p.isdigit()) if row else (0, 0)
-    if version < (0, 8):
-        log.warning("pgvector %s has no iterative index scans (0.8+): filtered approximate "
-                    "searches fall back to exact scans more often", row[0] if row else "?")
-    return version

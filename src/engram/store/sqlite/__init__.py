@@ -1,7 +1,10 @@
 """The SQLite backend: `schema` (named migrations), `sql` (its SQL, built without I/O), `conn`
-(the one connection layer), `slab` (the dense search cache) and `store` (the `Store`)."""
+(the one connection layer), `slab` (the dense search cache), `store` (the `Store`) and
+`service` (the REST service's tables)."""
 
 from .conn import Connections, private_file
+from .service import SQLiteAudit, SQLiteKeys, SQLiteRateBuckets
 from .store import SQLiteStore
 
-__all__ = ["Connections", "SQLiteStore", "private_file"]
+__all__ = ["Connections", "SQLiteAudit", "SQLiteKeys", "SQLiteRateBuckets", "SQLiteStore",
+           "private_file"]

@@ -217,22 +217,28 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
 ]
 
 
-def migrate(db: Connections) -> None:
+def migrate(db: Connections, migrations: list[tuple[str, list[Step]]] = MIGRATIONS) -> None:
     """Apply the pending migrations, all in one transaction (an upgrade happens whole or not)."""
     with db.transaction() as c:
-        c.execute("CREATE TABLE IF NOT EXISTS schema_migrations "
-                  "(name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
-        done = {r[0] for r in c.execute("SELECT name FROM schema_migrations")}
-        for name, statements in MIGRATIONS:
-            if name in done:
-                continue
-            for stmt in statements:
-                if isinstance(stmt, str):
-                    c.execute(stmt)
-                else:
-                    stmt(c)
-            c.execute("INSERT INTO schema_migrations VALUES (?, ?)", (name, time.time()))
-            log.info("applied migration %s to %s", name, db.label)
+        apply(c, migrations, db.label)
+
+
+def apply(c: sqlite3.Connection, migrations: list[tuple[str, list[Step]]], label: str) -> None:
+    """Apply the pending `migrations` inside the caller's write transaction, each recorded
+    by name in the file's `schema_migrations`."""
+    c.execute("CREATE TABLE IF NOT EXISTS schema_migrations "
+              "(name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    done = {r[0] for r in c.execute("SELECT name FROM schema_migrations")}
+    for name, statements in migrations:
+        if name in done:
+            continue
+        for stmt in statements:
+            if isinstance(stmt, str):
+                c.execute(stmt)
+            else:
+                stmt(c)
+        c.execute("INSERT INTO schema_migrations VALUES (?, ?)", (name, time.time()))
+        log.info("applied migration %s to %s", name, label)
 
 
 def applied(db: Connections) -> list[str]:
