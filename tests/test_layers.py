@@ -27,9 +27,9 @@ SRC = Path(engram.__file__).resolve().parent
 
 PUBLIC = {"engram.errors", "engram.config", "engram.model", "engram.working", "engram.backup",
           "engram.working.policies", "engram.providers.embedders", "engram.providers.llms",
-          "engram.graph.reference"}
+          "engram.graph.reference", "engram.extras"}
 FACES: dict[str, set[str]] = {  # face -> what it may import besides PUBLIC and itself
-    "engram.cli": {"engram.server", "engram.mcp"},
+    "engram.cli": {"engram.server", "engram.mcp", "engram.store"},  # store: its file paths
     "engram.server": {"engram.mcp", "engram.store"},
     "engram.mcp": set(),
     "engram.integrations": set(),

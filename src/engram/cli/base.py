@@ -131,7 +131,7 @@ def database(cfg: Config, tenant: str | None = None) -> str:
     if url.password is None:
         return cfg.database_url
     netloc = f"{url.username}:***@{url.hostname}" + (f":{url.port}" if url.port else "")
-    return urlunsplit(url._replace(netloc=netloc))
+    return urlunsplit((url.scheme, netloc, url.path, url.query, url.fragment))
 
 
 def existing(st: State) -> Config:
