@@ -431,6 +431,20 @@ def same_thing(vectors: Mapping[str, np.ndarray], query: np.ndarray
     return same
 
 
+def _on_demand(vectors: Callable[[list[str]], Mapping[str, np.ndarray]], ids: list[str],
+               query: np.ndarray) -> Callable[[str, str, bool], bool]:
+    """`same_thing` over the vectors of `ids`, read when it is first asked: most pages hold no
+    pair that a word or a change proposes as a revision, and their search reads no vector (on
+    PostgreSQL, no third round trip)."""
+    test: list[Callable[[str, str, bool], bool]] = []
+
+    def same(a: str, b: str, changed: bool) -> bool:
+        if not test:
+            test.append(same_thing(vectors(ids), query))
+        return test[0](a, b, changed)
+    return same
+
+
 def _counts(words: Collection[str], texts: Sequence[str], cap: int = 3) -> dict[str, int]:
     """How many of `texts` have each of `words` among their `topic_words`, counted up to `cap`
     (only whether a word is rare matters).
@@ -561,7 +575,7 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         # statement about her: they are the subject, never the topic that links a revision
         subject = topic_words(" ".join(re.findall(r"(?<!^)(?<![.?!] )\b[A-Z][\w'-]*", query.strip())))
         same = (None if vectors is None or query_vector is None
-                else same_thing(vectors(top), query_vector))
+                else _on_demand(vectors, top, query_vector))
         lifts = newest_wins(on_page, dict(zip(ids, rows, strict=True)), cfg.newer_page, about, subject,
                             same)
         if lifts:
