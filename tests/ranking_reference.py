@@ -22,6 +22,7 @@ from engram.pipeline.retrieve import (
     asks_when,
     mentions_time,
     named_speakers,
+    own_words,
     same_thing,
     topic_words,
 )
@@ -139,6 +140,8 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
             total[i] = total[i] - window[i] + scaled
             window[i] = scaled
         fused = Fused(fused.ids, {**fused.parts, "window": window}, fused.found, total)
+    if cfg.previous_chars and "lexical" in fused.parts:
+        fused = own_words(fused, rows, sel, query, cfg)  # not a fast path: the same code
     score = fused.total[sel].copy()
     added: dict[str, tuple[np.ndarray, bool]] = {}  # label -> (values, shown where 0 too)
 

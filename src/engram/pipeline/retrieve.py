@@ -8,6 +8,7 @@ present) -> hits. Each stage's contribution is kept in `Hit.explain` under its o
 
 from __future__ import annotations
 
+import math
 import re
 from bisect import bisect_right
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -64,6 +65,12 @@ class RetrievalConfig:
     # would inherit the question's match). So the window's contribution is scaled by
     # 1 - length / context_chars (0 at that length and past it); 0 turns the scaling off.
     context_chars: int = 0
+    # The same for the lexical side: the store's BM25 counts the previous turn in a turn's
+    # match (at `previous_weight`) and in its length, and counts every repetition of a word
+    # (code repeats its names). A message of `previous_chars` characters or more is matched by
+    # its own words alone: BM25 over the distinct content words of the candidates' texts
+    # (`own_words`), mixed with the store's score as 1 - length / previous_chars; 0: off.
+    previous_chars: int = 0
 
     def __post_init__(self) -> None:
         if self.fusion not in ("weighted", "rrf"):
@@ -72,8 +79,8 @@ class RetrievalConfig:
             raise InvalidInput("candidates must be positive")
         if self.newer_page < 0:
             raise InvalidInput("newer_page must be 0 (off) or positive")
-        if self.context_chars < 0:
-            raise InvalidInput("context_chars must be 0 (off) or positive")
+        if self.context_chars < 0 or self.previous_chars < 0:
+            raise InvalidInput("context_chars and previous_chars must be 0 (off) or positive")
         if not 0 <= self.graph_depth <= 2:
             raise InvalidInput("graph_depth must be 0, 1 or 2")
 
@@ -81,6 +88,8 @@ class RetrievalConfig:
 # About two of MiniLM's windows of 256 tokens (at some four characters a token): a message
 # this long is no reply that needs the turns before it to be understood.
 CONTEXT_CHARS = 2000
+# A message past a short paragraph (some 120 tokens) is matched by its own words.
+PREVIOUS_CHARS = 500
 
 PRESETS: dict[str, RetrievalConfig] = {
     p.name: p
@@ -89,11 +98,13 @@ PRESETS: dict[str, RetrievalConfig] = {
         RetrievalConfig("hybrid", candidates=1000, window_weight=0.3, fact_weight=0.3,
                         speaker_boost=0.2, when_boost=0.15,
                         session_weight=0.3, recency_weight=0.01, importance_weight=0.01,
-                        newer_page=10, context_chars=CONTEXT_CHARS),
+                        newer_page=10, context_chars=CONTEXT_CHARS,
+                        previous_chars=PREVIOUS_CHARS),
         # The same signals over a tenth of the candidate pool: faster, a little less recall.
         RetrievalConfig("fast", candidates=100, window_weight=0.3, fact_weight=0.3, speaker_boost=0.2,
                         when_boost=0.15, session_weight=0.3, recency_weight=0.01,
-                        importance_weight=0.01, newer_page=10, context_chars=CONTEXT_CHARS),
+                        importance_weight=0.01, newer_page=10, context_chars=CONTEXT_CHARS,
+                        previous_chars=PREVIOUS_CHARS),
         # Plain baselines, for comparison.
         RetrievalConfig("rrf", fusion="rrf", previous_weight=0.0),
         RetrievalConfig("dense", dense_weight=1.0, lexical_weight=0.0),
@@ -509,6 +520,8 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     sel = slice(None) if keep is None else keep
     if cfg.context_chars and "window" in fused.parts:
         fused = _in_context(fused, rows, sel, cfg.context_chars)
+    if cfg.previous_chars and "lexical" in fused.parts:
+        fused = own_words(fused, rows, sel, query, cfg)
     base = fused.total[sel].copy()
     steps: list[tuple[str, np.ndarray | _Flag, bool]] = []  # (label, values, shown where 0 too)
 
@@ -618,6 +631,48 @@ def _in_context(fused: Fused, rows: Sequence[Candidate], sel: slice | np.ndarray
     scaled[sel] = window[sel] * np.clip(1.0 - lengths / context_chars, 0.0, 1.0)
     return Fused(fused.ids, {**fused.parts, "window": scaled}, fused.found,
                  fused.total - window + scaled)
+
+
+def own_words(fused: Fused, rows: Sequence[Candidate], sel: slice | np.ndarray, query: str,
+              cfg: RetrievalConfig) -> Fused:
+    """The lexical contribution of long messages from their own words (see
+    `RetrievalConfig.previous_chars`): BM25 over the candidates (`rows`, at `sel` of the fused
+    ids), each text's distinct content words its document, normalised as the store's BM25 is
+    (the best 1, no match 0) and weighted alike; mixed with the store's by 1 - length /
+    previous_chars. A candidate it matches counts as found by the lexical retriever."""
+    asked = sorted(set(terms(query)))
+    n = len(rows)
+    if not asked or not n:
+        return fused
+    docs = [_word_set(r.text) for r in rows]
+    lengths = np.fromiter(map(len, docs), float, n)
+    norm = _K1 * (1.0 - _B + _B * lengths / max(float(lengths.mean()), 1.0))
+    score = np.zeros(n)
+    for word in asked:
+        has = np.fromiter((word in d for d in docs), bool, n)
+        df = int(has.sum())
+        if df:
+            idf = math.log(1.0 + (n - df + 0.5) / (df + 0.5))
+            score = score + has * (idf * (_K1 + 1.0) / (1.0 + norm))
+    own = cfg.lexical_weight * _stretch(score, floor=0.0)
+    share = np.clip(1.0 - np.fromiter(map(len, map(_text, rows)), float, n) / cfg.previous_chars,
+                    0.0, 1.0)
+    before = fused.parts["lexical"]
+    lexical = before.copy()
+    lexical[sel] = share * before[sel] + (1.0 - share) * own
+    found = fused.found["lexical"].copy()
+    found[sel] = found[sel] | (score > 0)
+    return Fused(fused.ids, {**fused.parts, "lexical": lexical},
+                 {**fused.found, "lexical": found}, fused.total - before + lexical)
+
+
+_K1, _B = 1.2, 0.75  # BM25's usual constants (FTS5's too)
+
+
+@lru_cache(maxsize=100_000)
+def _word_set(text: str) -> frozenset[str]:
+    """A text's distinct content words. (Cached like `topic_words`.)"""
+    return frozenset(terms(text))
 
 
 @dataclass(eq=False)
@@ -771,5 +826,5 @@ def _names(first_name: str, text: str) -> bool:
 def forget_texts() -> None:
     """Drop the texts the ranking caches above hold (they are keyed by candidates' texts): an
     erased memory's text must not outlive its erasure in the process's memory."""
-    for cached in (mentions_time, topic_words, announces_change, _names):
+    for cached in (mentions_time, topic_words, announces_change, _names, _word_set):
         cached.cache_clear()
