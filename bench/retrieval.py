@@ -44,13 +44,17 @@ RESULTS = Path(__file__).resolve().parent / "results" / "retrieval"
 
 
 def parts(fused: RetrievalConfig) -> dict[str, RetrievalConfig]:
-    """Each retriever of a fused preset alone: its weight 1, the others' 0, no adjustment."""
+    """Each retriever of a fused preset alone: its weight 1, the others' 0, no adjustment;
+    the lexical one also as the preset sees it, long messages matched by their own words."""
     alone = RetrievalConfig("alone", dense_weight=0.0, lexical_weight=0.0,
                             candidates=fused.candidates, previous_weight=fused.previous_weight)
     out = {}
     for label in ("dense", "window", "lexical"):
         if getattr(fused, f"{label}_weight"):
             out[label] = replace(alone, name=label, **{f"{label}_weight": 1.0})
+    if "lexical" in out and fused.previous_chars:
+        out["lexical + own words"] = replace(out["lexical"], name="lexical + own words",
+                                             previous_chars=fused.previous_chars)
     return out
 
 
