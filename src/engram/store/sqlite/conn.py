@@ -50,10 +50,11 @@ def cipher() -> ModuleType:
     return cast(ModuleType, _sqlcipher)
 
 
-def header(path: Path) -> bytes:
+def header(path: Path | str) -> bytes:
     """The first 16 bytes of the database file: SQLite's magic string, or SQLCipher's salt
     (b"" when the file does not exist yet or is shorter). Read through SQLite, never with
     `open()`: see `_salted`."""
+    path = Path(path)
     if not _sized(path):
         return b""
     with closing(cipher().connect(_uri(path), uri=True, isolation_level=None,
