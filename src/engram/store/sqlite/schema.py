@@ -217,10 +217,11 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
 ]
 
 
-def migrate(db: Connections, migrations: list[tuple[str, list[Step]]] = MIGRATIONS) -> None:
-    """Apply the pending migrations, all in one transaction (an upgrade happens whole or not)."""
+def migrate(db: Connections, migrations: list[tuple[str, list[Step]]] | None = None) -> None:
+    """Apply the pending migrations (the store's, by default), all in one transaction (an
+    upgrade happens whole or not)."""
     with db.transaction() as c:
-        apply(c, migrations, db.label)
+        apply(c, MIGRATIONS if migrations is None else migrations, db.label)
 
 
 def apply(c: sqlite3.Connection, migrations: list[tuple[str, list[Step]]], label: str) -> None:
