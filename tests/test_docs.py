@@ -123,9 +123,6 @@ def test_page_shell_blocks_run(tmp_path: Path) -> None:
         check_first_hits(expected_first_hits(block.code), run_shell(block.code, folder))
 
 
-@pytest.mark.xfail(raises=WrongFirstHit, strict=True, reason="the fact 'Ana is vegetarian' outranks "
-                   "the episode 'I just moved to Lisbon.' for 'Where does Ana live?' (ranking, fixed "
-                   "elsewhere)")
 def test_service_page_runs_against_a_service(tmp_path: Path) -> None:
     found = blocks(DOCS / "service.md", "bash", "service")
     assert len(found) >= 10

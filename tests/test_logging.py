@@ -14,7 +14,7 @@ def test_writes_and_searches_are_logged_with_their_reasons(
     with caplog.at_level(logging.DEBUG, logger="engram"):
         mem.add("Ana likes green tea", user_id="ana", kind="semantic")
         mem.add("ana likes green tea.", user_id="ana", kind="semantic")
-        mem.search("what does Ana drink?", user_id="ana")
+        mem.search("what tea does Ana drink?", user_id="ana")  # "Ana" is no lexical word in her scope
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("engram.")]
     assert any(m.startswith("added semantic") for m in messages)
     assert any("exact duplicate" in m for m in messages)

@@ -203,15 +203,17 @@ PRESETS: dict[str, str | RetrievalConfig] = {
 
 # preset -> the top 5 of each query (session:turn, fact:index), as the embedded store ranks them
 TOP5: dict[str, list[list[str]]] = {
+    # (since issue 31 "Ana", the scope's own user, is no lexical word in her scope: what
+    # matched only her name, as speaker or in a fact, is no longer found by BM25)
     "bm25": [
-        ["s1:0", "s1:1", "s1:2", "fact:0", "s3:1"],
+        ["s1:0", "s1:1", "s1:2"],
         ["s1:2", "s2:3", "s2:1", "s2:2", "s1:3"],
-        ["s1:2", "s1:3", "fact:0", "s1:0", "s3:1"],
+        ["s1:2", "s1:3"],
         ["s1:3", "s1:4", "s1:0", "s1:1", "s1:2"],
         ["s1:4"],
-        ["s3:0", "s4:0", "s3:1", "s4:1", "fact:0"],
+        ["s3:0", "s4:0", "s3:1", "s4:1"],
         ["s2:3", "s2:2", "s2:0", "s2:1", "s1:2"],
-        ["fact:0", "s1:0", "s3:1", "s4:1", "s2:1"],
+        ["fact:0"],
         ["fact:1", "s2:0", "s3:0", "s4:0", "s2:2"],
         ["s2:0", "s2:1", "s2:3", "s2:2"],
     ],

@@ -23,8 +23,7 @@ from ..redact import redact
 from ..store import Query, Store
 from . import passages
 from .engine import Engine
-from .retrieve import Ranked, fuse_arrays, rank_arrays
-from .text import terms
+from .retrieve import Ranked, fuse_arrays, lexical_terms, rank_arrays
 
 log = logging.getLogger("engram.memory")
 
@@ -60,8 +59,9 @@ def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray |
     if keys and vector is None:
         vector = engine.embedder.embed_batch([text])[0]
     asked = [key for _, key in keys] + ([passages.KEY] if weights["dense"] else [])
+    words = lexical_terms(text, q.scope.user_id)
     pooled = store.pool(q, n, vector=vector, keys=asked,
-                        terms=terms(text) if weights["lexical"] else (),
+                        terms=words if weights["lexical"] else (),
                         previous_weight=cfg.previous_weight)
     found = {label: pooled[key] for label, key in keys}
     won: dict[str, float] = {}
@@ -73,7 +73,7 @@ def ranked(engine: Engine, text: str, q: Query, limit: int, vector: np.ndarray |
         found["graph"] = graph_retrieve.candidates(engine, text, q, n, cfg.graph_depth)
     fused = fuse_arrays(found, weights, cfg)
     best = rank_arrays(fused, store.candidates(fused.ids, q), text, cfg, q.as_of or q.now, limit,
-                       vectors=partial(_text_vectors, store), query_vector=vector)
+                       vectors=partial(_text_vectors, store), query_vector=vector, asked=words)
     if won and vector is not None:
         passages.explain(store, best, won, vector)
     return best

@@ -237,6 +237,21 @@ _TIME_WORDS = re.compile(
     r"(19|20)\d\d)\b", re.IGNORECASE)
 
 
+def lexical_terms(query: str, user_id: str | None = None) -> list[str]:
+    """The lexical query: the question's content words, but for the scope's own user named in
+    it. Within a user's scope every memory is about that user, and their own messages say "I":
+    the name ("Ana" in "Where does Ana live?", scoped to user "ana") discriminates nothing, yet
+    BM25 would reward the memories that happen to spell it (third-person facts) over the
+    user's own statements. A user id of one word is taken as their name; a question that is
+    nothing but the name keeps it."""
+    asked = terms(query)
+    own = terms(user_id) if user_id else []
+    if len(own) != 1:
+        return asked
+    rest = [w for w in asked if w != own[0]]
+    return rest or asked
+
+
 def asks_when(query: str) -> bool:
     """Does the question ask for a time ("When did...", "How long...", "What year...")?"""
     return bool(_WHEN_QUESTION.search(query))
@@ -502,8 +517,10 @@ def rank(fused: Mapping[str, dict[str, float]], candidates: Mapping[str, Candida
 def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
                 cfg: RetrievalConfig, now: datetime, limit: int | None = None,
                 vectors: Callable[[list[str]], Mapping[str, np.ndarray]] | None = None,
-                query_vector: np.ndarray | None = None) -> list[Ranked]:
+                query_vector: np.ndarray | None = None,
+                asked: Sequence[str] | None = None) -> list[Ranked]:
     """`rank` over the arrays of `fuse_arrays`: the best `limit` (default all), explained.
+    `asked`: the lexical query's words (`lexical_terms`; default all of the query's).
 
     Every adjustment is an array added to the score in a fixed order (speaker, when, recency,
     importance, session, newer), 0 where it does not apply: the same sums, in the same order,
@@ -522,7 +539,7 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     if cfg.context_chars and "window" in fused.parts:
         fused = _in_context(fused, rows, sel, cfg.context_chars)
     if cfg.previous_chars and "lexical" in fused.parts:
-        fused = own_words(fused, rows, sel, query, cfg)
+        fused = own_words(fused, rows, sel, query, cfg, asked)
     base = fused.total[sel].copy()
     steps: list[tuple[str, np.ndarray | _Flag, bool]] = []  # (label, values, shown where 0 too)
 
@@ -635,21 +652,21 @@ def _in_context(fused: Fused, rows: Sequence[Candidate], sel: slice | np.ndarray
 
 
 def own_words(fused: Fused, rows: Sequence[Candidate], sel: slice | np.ndarray, query: str,
-              cfg: RetrievalConfig) -> Fused:
+              cfg: RetrievalConfig, asked: Sequence[str] | None = None) -> Fused:
     """The lexical contribution of long messages from their own words (see
     `RetrievalConfig.previous_chars`): BM25 over the candidates (`rows`, at `sel` of the fused
     ids), each text's distinct content words its document, normalised as the store's BM25 is
     (the best 1, no match 0) and weighted alike; mixed with the store's by 1 - length /
     previous_chars. A candidate it matches counts as found by the lexical retriever."""
-    asked = sorted(set(terms(query)))
+    words = sorted(set(terms(query) if asked is None else asked))
     n = len(rows)
-    if not asked or not n:
+    if not words or not n:
         return fused
     docs = [_word_set(r.text) for r in rows]
     lengths = np.fromiter(map(len, docs), float, n)
     norm = _K1 * (1.0 - _B + _B * lengths / max(float(lengths.mean()), 1.0))
     score = np.zeros(n)
-    for word in asked:
+    for word in words:
         has = np.fromiter((word in d for d in docs), bool, n)
         df = int(has.sum())
         if df:
