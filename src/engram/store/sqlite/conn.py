@@ -114,6 +114,22 @@ def is_busy(exc: Exception) -> bool:
     return "locked" in str(exc) or "busy" in str(exc)
 
 
+def wal(c: sqlite3.Connection, patience_s: float = 10.0) -> None:
+    """Put a new file in WAL mode. Processes starting at once may find it being converted by
+    another: that lock is not waited out by SQLite's busy handler, so it is retried here."""
+    deadline = time.monotonic() + patience_s
+    delay = 0.005
+    while True:
+        try:
+            c.execute("PRAGMA journal_mode = WAL")
+            return
+        except BUSY_ERRORS as exc:
+            if not is_busy(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
 def quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
@@ -248,7 +264,7 @@ class Connections:
             try:
                 conn = connect(self.path, self.key, timeout=self.busy_timeout_s)
                 conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-                conn.execute("PRAGMA journal_mode = WAL")
+                wal(conn)
                 conn.execute("PRAGMA synchronous = FULL")
                 # erased rows are overwritten in the file, not merely unlinked
                 conn.execute("PRAGMA secure_delete = ON")

@@ -20,7 +20,7 @@ from typing import Any
 
 from ...errors import StoreError, StoreUnavailable
 from ..service import SQLITE, take_params
-from .conn import Connections, private_file
+from .conn import Connections, private_file, wal
 from .schema import Step, apply, migrate
 
 Row = tuple[Any, ...]
@@ -173,7 +173,7 @@ class SQLiteRateBuckets:
                 private_file(self.path)  # 0600 (and its -wal and -shm), like the databases beside it
                 c = sqlite3.connect(self.path, timeout=10.0, isolation_level=None,
                                     check_same_thread=False)
-                c.execute("PRAGMA journal_mode = WAL")
+                wal(c)
                 c.execute("PRAGMA synchronous = OFF")
                 c.execute("BEGIN IMMEDIATE")
                 try:
