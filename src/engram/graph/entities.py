@@ -124,14 +124,19 @@ def ask(llm: LLM, name: str, type: str, options: Sequence[Entity]) -> str | None
 
 # -- entity upserts ------------------------------------------------------------------------------
 
-def _clean(value: Any, what: str, *, max_chars: int = 256) -> str:
+def checked_name(value: Any, what: str, *, max_chars: int = 256) -> str:
+    """A name as given: a non-blank string of at most `max_chars`, with no NUL."""
     if not isinstance(value, str) or not value.strip():
         raise InvalidInput(f"{what} must be a non-empty string")
     if len(value) > max_chars:
         raise InvalidInput(f"{what} has {len(value)} characters; at most {max_chars}")
     if "\x00" in value:
         raise InvalidInput(f"{what} contains a NUL character")
-    return value.strip()
+    return value
+
+
+def _clean(value: Any, what: str, *, max_chars: int = 256) -> str:
+    return checked_name(value, what, max_chars=max_chars).strip()
 
 
 def clean_aliases(aliases: Any) -> tuple[str, ...]:

@@ -618,13 +618,7 @@ def _batch(items: Sequence[Any], what: str) -> None:
 
 
 def _name(value: Any, what: str) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidInput(f"{what} must be a non-empty string")
-    if len(value) > MAX_NAME_CHARS:
-        raise InvalidInput(f"{what} has {len(value)} characters; at most {MAX_NAME_CHARS}")
-    if "\x00" in value:
-        raise InvalidInput(f"{what} contains a NUL character")
-    return value
+    return entities.checked_name(value, what, max_chars=MAX_NAME_CHARS)  # exact: not stripped
 
 
 def _observations(contents: Sequence[Any], max_chars: int | None = None) -> None:

@@ -75,8 +75,9 @@ def _sized(path: Path) -> bool:
         return False
 
 
-def _uri(path: Path, mode: str = "rw") -> str:
-    return f"file:{urllib.parse.quote(str(path))}?mode={mode}"
+def _uri(path: Path) -> str:
+    """An existing file, opened read-write and never created."""
+    return f"file:{urllib.parse.quote(str(path))}?mode=rw"
 
 
 def _salted(conn: sqlite3.Connection, key: str) -> bytes:
@@ -323,7 +324,7 @@ class Connections:
         """Raise StoreUnavailable unless the file can be opened and read now. A fresh
         connection: an open handle keeps answering after the file's directory is gone."""
         try:
-            with closing(connect(f"file:{self.path}?mode=rw", self.key, timeout=2,
+            with closing(connect(_uri(self.path), self.key, timeout=2,
                                  uri=True)) as conn:
                 conn.execute(sql).fetchall()
         except DB_ERRORS as exc:
