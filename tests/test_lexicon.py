@@ -1,4 +1,4 @@
-"""The SQLite store's in-memory lexical index (store/sqlite/lexicon.py) against FTS5 itself:
+"""The SQLite store's in-memory lexical index (store/index/lexicon.py) against FTS5 itself:
 the same memories with the same BM25 scores, for many queries, and still after deletes,
 updates, erasures and writes by another process."""
 
@@ -20,7 +20,7 @@ from engram.filters import parse_filters
 from engram.model import Kind, MemoryRecord, Scope, new_id
 from engram.pipeline.text import content_hash, terms
 from engram.store import Key, Lexical, Query
-from engram.store.sqlite import SQLiteStore, lexicon
+from engram.store.sqlite import SQLiteStore, lexlog
 from engram.store.sqlite import sql as sqlite_sql
 
 NOW = datetime(2025, 6, 1, 12, tzinfo=UTC)
@@ -452,7 +452,7 @@ def test_the_log_stays_bounded_and_an_index_past_its_horizon_rebuilds(tmp_path: 
         # the position survives a log pruned to nothing (every entry at or below the horizon)
         with writer.write() as tx:
             tx.conn.execute("DELETE FROM lex_log")
-        (last, *_), = writer._read(lexicon.STATE)
+        (last, *_), = writer._read(lexlog.STATE)
         assert last == writer._read("SELECT value FROM meta WHERE name = 'lex_horizon'")[0][0]
         fill(writer, 5, rng)
         check(other, rng, 5)

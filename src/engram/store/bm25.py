@@ -1,5 +1,5 @@
 """FTS5's `bm25()` outside FTS5: its tokenizer, constants and formula, for the PostgreSQL
-store's lexical index and the SQLite store's in-memory one (sqlite/lexicon.py). No driver is
+store's lexical index and the SQLite store's in-memory one (index/lexicon.py). No driver is
 imported here: the embedded store uses it without the `postgres` extra.
 
 The SQLite store scores a lexical search with FTS5's BM25 over two weighted columns (the text

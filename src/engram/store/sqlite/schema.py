@@ -184,7 +184,7 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
         "CREATE TRIGGER memories_lex_delete AFTER DELETE ON memories "
         "BEGIN INSERT INTO lex_log(rid) VALUES (old.rid); END",
     ]),
-    # The lexicon's log is pruned (lexicon.py::prune_log): `lex_horizon` is the last entry
+    # The lexicon's log is pruned (lexlog.py::prune_log): `lex_horizon` is the last entry
     # deleted, so an index older than it knows it missed some. Its saved file is trusted only
     # while `lex_file` holds the file's token; deleting a memory (an erasure) counts in
     # `erasures` and unnames the file in the same transaction, since the file, like an index

@@ -32,16 +32,17 @@ from ...threads import Threads
 from .. import cachefile
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Seen, Select
+from ..index import lexicon
+from ..index.lexicon import MAX_DEAD, Lexicon
 from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
-from . import ann, lexicon, schema, sql
+from . import ann, lexlog, schema, sql
 from .conn import DB_ERRORS, Connections, is_busy
-from .lexicon import MAX_DEAD, Lexicon
 
 log = logging.getLogger("engram.store")
 
 SLAB_MAGIC = b"engram-slab\n\x00\x00\x00\x00"  # the first 16 bytes of a saved dense cache
-SLAB_FORMAT = 1
+SLAB_FORMAT = 2  # the saved layout; 2: the candidates carry their role
 COUNTS_EVERY_S = 0.2  # how often the background thread writes the access counts of searches
 # How long a read waits for the write turn to write the counts pending first (and see them):
 # this process's short writes (an add, a cache file named), not a long one.
@@ -60,7 +61,7 @@ class SQLiteStore(SQLStore):
 
     def __init__(self, path: str | Path, *, busy_timeout_s: float = 30.0,
                  key: str | None = None, ann_threshold: int = 20_000,
-                 lexicon_threshold: int = 0, lexicon_log: int = lexicon.LOG_KEEP,
+                 lexicon_threshold: int = 0, lexicon_log: int = lexlog.LOG_KEEP,
                  cache_rows: int = 2_000_000) -> None:
         """`ann_threshold`: a dense search over a scope of at most this many keys is exact (a
         scan of the cached matrix); above it an HNSW index answers (approximate; the `ann`
@@ -174,7 +175,7 @@ class SQLiteStore(SQLStore):
                 if tx.keys_changed:
                     conn.execute(sql.BUMP_KEYS)
                 if self._bounded_log:
-                    lexicon.prune_log(conn, self.lexicon_log)
+                    lexlog.prune_log(conn, self.lexicon_log)
             finally:
                 self._local.dirty = False
         if tx.erased:
@@ -623,7 +624,7 @@ class SQLiteStore(SQLStore):
         """The in-memory lexical index, brought up to date with `lex_log`; None while the
         database is small. Held in memory, else loaded from its file, else built (and saved).
         Call with `_lex_lock` held."""
-        (last, block, horizon, erasures, named), = self._read(lexicon.STATE)
+        (last, block, horizon, erasures, named), = self._read(lexlog.STATE)
         lex = self._lex
         if lex is None and sql.fts_row_count(block) <= self.lexicon_threshold:
             return None
@@ -659,7 +660,7 @@ class SQLiteStore(SQLStore):
         changed = self._read("SELECT id, rid FROM lex_log WHERE id > ? ORDER BY id",
                              [lex.version])
         # read after the entries: a prune past `version` before or while they were read
-        (horizon,), = self._read(lexicon.HORIZON)
+        (horizon,), = self._read(lexlog.HORIZON)
         if horizon > lex.version:
             return False
         if changed:

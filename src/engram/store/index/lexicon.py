@@ -77,34 +77,10 @@ Doc = tuple[int, str, str, str, str]  # (rid, memory id, body, context, owner) o
 MAX_SEGMENTS = 8
 MAX_DEAD = 0.25
 BATCH = 20_000       # documents tokenised at once while building
-LOG_KEEP = 100_000   # lex_log entries kept (then the older half goes): `prune_log`
 MAGIC = b"engram-lexicon\n\x00"  # the first 16 bytes of a saved index
 FORMAT = 1
 
 log = logging.getLogger("engram.store")
-
-# The log's position (its last id, or the horizon once every entry is pruned), FTS5's row count
-# (its `averages` record), the horizon, the erasure count and the token of the trusted file.
-STATE = ("SELECT max((SELECT coalesce(max(id), 0) FROM lex_log), h.value), "
-         "(SELECT block FROM memory_fts_data WHERE id = 1), h.value, "
-         "(SELECT value FROM meta WHERE name = 'erasures'), "
-         "(SELECT value FROM meta WHERE name = 'lex_file') "
-         "FROM meta h WHERE h.name = 'lex_horizon'")
-HORIZON = "SELECT value FROM meta WHERE name = 'lex_horizon'"
-
-
-def prune_log(conn: sqlite3.Connection, keep: int) -> None:
-    """Inside a write: once `lex_log` holds more than `keep` entries, delete the older half
-    and move the horizon to the last one deleted (ids are never reused: AUTOINCREMENT, so
-    the entries past the horizon are the ones kept)."""
-    (top, horizon), = conn.execute(
-        "SELECT (SELECT coalesce(max(id), 0) FROM lex_log), value FROM meta "
-        "WHERE name = 'lex_horizon'").fetchall()
-    if top - horizon > keep:
-        cut = top - keep // 2
-        conn.execute("DELETE FROM lex_log WHERE id <= ?", (cut,))
-        conn.execute("UPDATE meta SET value = ? WHERE name = 'lex_horizon'", (cut,))
-
 
 def pair_key(a: Any, b: Any) -> Any:
     """The key of two adjacent tokens (ints or int64 arrays): a token id is < 2**31."""
