@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engram import Memory  # noqa: E402
 from engram.model import Scope  # noqa: E402
 from engram.store import Query  # noqa: E402
-from engram.store.sqlite import ann  # noqa: E402
+from engram.store.index import ann  # noqa: E402
 from scale import questions  # noqa: E402
 
 VARIANTS = [(1157, 1157, 1), (1000, 1000, 1), (1000, 600, 1), (600, 600, 1), (1157, 1157, 2)]

@@ -1,4 +1,4 @@
-"""The SQLite store's HNSW index for large scopes (store/sqlite/ann.py): it answers like the
+"""The SQLite store's HNSW index for large scopes (store/index/ann.py): it answers like the
 exact scan on a fixture, honours deletes, erasure, scopes and kinds, follows new keys, and is
 saved beside the database and loaded by the next process instead of being built again.
 
@@ -22,8 +22,8 @@ from engram.model import Kind, MemoryRecord, Scope, new_id
 from engram.pipeline.text import content_hash
 from engram.store import Key, Lexical
 from engram.store.base import Query
+from engram.store.index import ann as ann_module
 from engram.store.sqlite import SQLiteStore
-from engram.store.sqlite import ann as ann_module
 
 DIM = 32
 NOW = datetime(2025, 6, 1, tzinfo=UTC)
@@ -278,7 +278,7 @@ def test_the_index_and_the_embedder_load_in_either_order() -> None:
     """usearch loaded before onnxruntime used to crash the process (SIGSEGV on import); the
     index imports onnxruntime first, so a store that builds an index before anything embeds
     still embeds afterwards. In a fresh process: the order of imports is the point."""
-    code = ("from engram.store.sqlite import ann\n"
+    code = ("from engram.store.index import ann\n"
             "assert ann.available()\n"
             "from engram.providers.embedders import MiniLM\n"
             "v = MiniLM(threads=1).embed_batch(['the ferry was late'])\n"

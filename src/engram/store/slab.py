@@ -20,7 +20,7 @@ from .cachefile import pack, unpack
 from .records import CANDIDATE_COLUMNS, Dialect, read_candidates, time_bounds
 
 if TYPE_CHECKING:
-    from .sqlite.ann import Ann
+    from .index.ann import Ann
 
 _KIND_CODES = {k.value: i for i, k in enumerate(Kind)}
 TIMES = ("expires_at", "valid_from", "valid_to")  # cached per row, in this order

@@ -32,11 +32,11 @@ from ...threads import Threads
 from .. import cachefile
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Seen, Select
-from ..index import lexicon
+from ..index import ann, lexicon
 from ..index.lexicon import MAX_DEAD, Lexicon
 from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
-from . import ann, lexlog, schema, sql
+from . import lexlog, schema, sql
 from .conn import DB_ERRORS, Connections, is_busy
 
 log = logging.getLogger("engram.store")
