@@ -42,7 +42,8 @@ def record(text: str, scope: Scope, rng: random.Random, **fields: Any) -> Memory
         metadata={},
         importance=rng.random(), created_at=at, updated_at=at, valid_from=at,
         observed_at=at - timedelta(days=1) if rng.random() < 0.5 else None,
-        name=rng.choice([None, "Maya", "Jon"]), content_hash=content_hash(text))
+        name=rng.choice([None, "Maya", "Jon"]), role=rng.choice([None, "user", "assistant"]),
+        content_hash=content_hash(text))
     if rng.random() < 0.1:
         base["expires_at"] = NOW - timedelta(hours=1)  # expired: never visible
     if rng.random() < 0.1:
@@ -116,8 +117,9 @@ def test_a_saved_cache_loads_and_searches_the_same_and_catches_up(
         caplog.clear()
         new = open_store(path)
         try:
-            assert searches(new) == before
+            assert searches(new) == before  # the candidates too, their roles among them
             assert loaded(caplog) == 2
+            assert {c.role for c in searches(new)[1].values()} == {None, "user", "assistant"}
         finally:
             new.close()
         # written since: added, deleted, a row's validity changed; the file is left behind

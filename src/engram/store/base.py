@@ -157,6 +157,9 @@ class Candidate:
     observed_at: datetime | None
     created_at: datetime
     importance: float
+    # the message's role ("user", "assistant", ...; None for a memory that is no message):
+    # newest-wins asks who said a statement, and a message of a user need not name her
+    role: str | None = None
     at: float = field(init=False, repr=False, compare=False)
     unit: tuple[str | None, ...] | str = field(init=False, repr=False, compare=False)
 

@@ -26,7 +26,7 @@ MEMORY_COLUMNS = (
     "provenance", "access_count", "last_accessed_at", "expires_at", "content_hash", "deleted_at",
 )
 CANDIDATE_COLUMNS = ("id", "user_id", "agent_id", "session_id", "name", "text", "observed_at",
-                     "created_at", "importance")
+                     "created_at", "importance", "role")
 EVENT_COLUMNS = ("id", "memory_id", "type", "at", "user_id", "agent_id", "session_id", "before",
                  "after", "reason")
 # `kind` holds `Job.task`: the column kept the name it was released with.
@@ -230,7 +230,7 @@ def read_candidates(d: Dialect, rows: Iterable[Sequence[Any]], out: dict[str, Ca
     times: each value is built once."""
     scopes: dict[tuple[Any, ...], Scope] = {}
     times: dict[Any, datetime | None] = {}
-    for mid, uid, aid, sid, name, text, observed, created, importance in rows:
+    for mid, uid, aid, sid, name, text, observed, created, importance, role in rows:
         scope = scopes.get((uid, aid, sid))
         if scope is None:
             scope = scopes[(uid, aid, sid)] = Scope(uid, aid, sid)
@@ -239,7 +239,7 @@ def read_candidates(d: Dialect, rows: Iterable[Sequence[Any]], out: dict[str, Ca
         if created not in times:
             times[created] = d.read_time(created)
         out[mid] = Candidate(mid, scope, name, text, times[observed],
-                             times[created], importance)  # type: ignore[arg-type]
+                             times[created], importance, role)  # type: ignore[arg-type]
 
 
 # -- events -----------------------------------------------------------------------------------------

@@ -301,14 +301,17 @@ class Slab:
                 if raw is not None:
                     held[i] = True
                     rows.append(raw)
-            cols = list(zip(*rows, strict=True)) if rows else [()] * 8
-            for col in cols[:5]:  # user, agent and session ids, name, text
+            cols = list(zip(*rows, strict=True)) if rows else [()] * 9
+            strings: list[np.ndarray] = []  # user, agent and session ids, name, text; role
+            for col in (*cols[:5], cols[8]):
                 packed = pack([v or "" for v in col])
                 if packed is None:
                     return None
-                arrays += [packed, np.array([v is None for v in col], dtype=bool)]
-            arrays += [held, np.array([np.nan if v is None else v for v in cols[5]], dtype=np.float64),
-                       np.array(cols[6], dtype=np.float64), np.array(cols[7], dtype=np.float64)]
+                strings += [packed, np.array([v is None for v in col], dtype=bool)]
+            arrays += [*strings[:10], held,
+                       np.array([np.nan if v is None else v for v in cols[5]], dtype=np.float64),
+                       np.array(cols[6], dtype=np.float64), np.array(cols[7], dtype=np.float64),
+                       *strings[10:]]
         return head, arrays
 
     def _raw(self, i: int, d: Dialect) -> tuple[Any, ...] | None:
@@ -317,7 +320,7 @@ class Slab:
         if c is not None:
             s = c.scope
             return (s.user_id, s.agent_id, s.session_id, c.name, c.text,
-                    d.opt_time(c.observed_at), d.time(c.created_at), c.importance)
+                    d.opt_time(c.observed_at), d.time(c.created_at), c.importance, c.role)
         if self.cold is not None and self.cold_at[i] >= 0:
             j = int(self.cold_at[i])
             return tuple(col[j] for col in self.cold)
@@ -353,17 +356,20 @@ class Slab:
         slab.rows_version, slab.tomb_max = int(head["rows_version"]), int(head["tomb_max"])
         if rich:
             rest = arrays[10:]
+            if len(rest) != 16:
+                raise ValueError("the candidates do not match the header")
             held = rest[10]
             if held.shape != (n,):
                 raise ValueError("the candidates do not match the header")
             m = int(held.sum())
-            cold: list[list[Any]] = []
-            for j in range(5):
-                values = unpack(rest[2 * j], m) if m else []
-                none = rest[2 * j + 1].tolist()
-                cold.append([None if z else v for v, z in zip(values, none, strict=True)])
+
+            def strings(at: int) -> list[Any]:
+                values = unpack(rest[at], m) if m else []
+                none = rest[at + 1].tolist()
+                return [None if z else v for v, z in zip(values, none, strict=True)]
+            cold: list[list[Any]] = [strings(2 * j) for j in range(5)]
             cold.append([None if math.isnan(t) else t for t in rest[11].tolist()])
-            cold += [rest[12].tolist(), rest[13].tolist()]
+            cold += [rest[12].tolist(), rest[13].tolist(), strings(14)]
             if any(len(col) != m for col in cold):
                 raise ValueError("the candidates do not match the header")
             slab.cold, slab.dialect = cold, d
