@@ -18,7 +18,8 @@ import pytest
 from engram.model import Kind, MemoryRecord, Scope, new_id
 from engram.pipeline.text import content_hash
 from engram.store import Key, Lexical, Query
-from engram.store.sqlite import SQLiteStore, ann
+from engram.store.index import ann
+from engram.store.sqlite import SQLiteStore
 
 NOW = datetime(2025, 6, 1, 12, tzinfo=UTC)
 SCOPE = Scope("u1")
