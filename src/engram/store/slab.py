@@ -51,7 +51,10 @@ class Slab:
     """
 
     def __init__(self, dim: int, rich: bool = False) -> None:
-        cap = 1024
+        # Empty until the first load, which sizes it (`_grow` doubles after that): a service
+        # holds a slab per key kind of every scope it searched, most of a few rows, and a
+        # fixed start of 1024 rows reserved 1.5 MB for each.
+        cap = 0
         self.mat = np.zeros((cap, dim), dtype=np.float32)
         self.seqs = np.zeros(cap, dtype=np.int64)
         self.alive = np.zeros(cap, dtype=bool)     # the key row exists (and its memory did)
