@@ -4,8 +4,12 @@ the shared PostgreSQL store forget the tenants served longest ago."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from engram import Memory
+from engram.providers.embedders import MiniLM
 from engram.store.slab import Slab
 
 
@@ -23,3 +27,41 @@ def test_a_small_scope_reserves_what_it_holds() -> None:
         slab.append([seq], [f"m{seq}"], np.ones((1, 384), np.float32))
     assert slab.n == 199 and len(slab.seqs) < 2 * 199
     assert slab.mat[:199].any(axis=1).all()
+
+
+def test_a_per_tenant_hint_forgets_the_tenants_set_longest_ago() -> None:
+    from engram.store.postgres.store import _Recent
+
+    hints: _Recent[int] = _Recent(8)
+    for i in range(30):
+        hints[f"t{i}"] = i
+        hints["t0"] = 0  # set again: the newest
+        assert len(hints) <= 8
+    assert hints.get("t0") == 0 and hints.get("t29") == 29
+    assert hints.get("t1") is None  # forgotten: the caller reads afresh
+
+
+def test_a_node_serving_many_tenants_keeps_no_state_per_tenant_beyond_its_bounds(
+        pg_server: Any, embedder: MiniLM) -> None:
+    from engram.store.postgres import PostgresStore
+
+    base = PostgresStore(pg_server.url(pg_server.create_database()))
+    base._seen.limit = base._moving.limit = 8  # shared by every tenant's store
+    mems = [Memory(store=base.for_tenant(f"t{i}"), embedder=embedder) for i in range(30)]
+    try:
+        for i, mem in enumerate(mems):
+            mem.add(f"tenant {i} keeps a red kayak", user_id="ana", infer=False)
+            assert [h.memory.text for h in mem.search("kayak", user_id="ana")] \
+                == [f"tenant {i} keeps a red kayak"]
+        assert len(base._seen) <= 8 and len(base._moving) <= 8
+        assert len(base._turns._turns) == 0  # no writer holds or waits for a turn
+        # a tenant forgotten by the hints is searched right, and one added to since as well
+        mems[0].add("tenant 0 sold the kayak", user_id="ana", infer=False)
+        assert {h.memory.text for h in mems[0].search("kayak", user_id="ana")} \
+            == {"tenant 0 keeps a red kayak", "tenant 0 sold the kayak"}
+        assert [h.memory.text for h in mems[1].search("kayak", user_id="ana")] \
+            == ["tenant 1 keeps a red kayak"]
+    finally:
+        for mem in mems:
+            mem.close()
+        base.close()

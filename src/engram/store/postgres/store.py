@@ -11,12 +11,13 @@ import copy
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import psycopg
@@ -39,8 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("engram.store")
 
+V = TypeVar("V")
 _WRITE_LOCK = 0x656E6774  # pg_advisory_xact_lock key: one writer per tenant (with hashtext(tenant))
 ANALYZE_AFTER_ROWS = 200  # rows written by a process before its first ANALYZE
+TENANT_HINTS = 16_384  # tenants whose last versions a process remembers (`_Recent`)
 RECLAIM_MODES = {"vacuum": "INDEX_CLEANUP ON", "full": "FULL", "none": ""}
 
 
@@ -113,8 +116,9 @@ class PostgresStore(SQLStore):
         self._slabs_lock = threading.Lock()    # the slabs' contents
         self._refresh_lock = threading.Lock()  # one refresh at a time: it appends by seq
         self._large: dict[tuple[Any, ...], bool] = {}  # scopes known to exceed cache_limit
-        self._seen: dict[str, tuple[int, int]] = {}    # per tenant, the versions last read
-        self._moving: dict[str, bool] = {}  # per tenant, whether they had changed (`_ahead`)
+        # per tenant, the versions last read, and whether they had changed (`_ahead`)
+        self._seen: _Recent[tuple[int, int]] = _Recent(TENANT_HINTS)
+        self._moving: _Recent[bool] = _Recent(TENANT_HINTS)
         try:
             self._iterative = schema.migrate(self._transaction) >= (0, 8)  # iterative index scans
         except BaseException:
@@ -704,21 +708,40 @@ class _Turn:
 
 class _Turns:
     """A turn per tenant: the writes of one tenant in this process, one at a time. A forked
-    child starts with none (a parent's thread may have held one)."""
+    child starts with none (a parent's thread may have held one). A turn lives while a writer
+    holds or waits for it (a weak map), so a node keeps none for the tenants it served once."""
 
     def __init__(self) -> None:
         self._pid = os.getpid()
-        self._turns: dict[str, _Turn] = {}
+        self._turns: weakref.WeakValueDictionary[str, _Turn] = weakref.WeakValueDictionary()
         self._guard = threading.Lock()
 
     def lock(self, tenant: str) -> _Turn:
         if self._pid != os.getpid():
-            self._pid, self._turns, self._guard = os.getpid(), {}, threading.Lock()
+            self._pid, self._guard = os.getpid(), threading.Lock()
+            self._turns = weakref.WeakValueDictionary()
         with self._guard:
             turn = self._turns.get(tenant)
             if turn is None:
                 turn = self._turns[tenant] = _Turn()
             return turn
+
+
+class _Recent(dict[str, V]):
+    """A per-tenant hint that forgets the tenants set longest ago beyond `limit` (the older
+    half at once): a node may serve any number of tenants over its life, and a tenant it has
+    forgotten only reads its versions afresh at its next search."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, tenant: str, value: V) -> None:
+        self.pop(tenant, None)  # the newest last
+        super().__setitem__(tenant, value)
+        if len(self) > self.limit:
+            for old in list(self)[:len(self) - self.limit // 2]:
+                self.pop(old, None)
 
 
 def _versions(rows: Sequence[Any]) -> tuple[int, int]:
