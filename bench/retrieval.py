@@ -1,7 +1,7 @@
 """Retrieval over several kinds of data, the fused preset beside each of its retrievers alone.
 
     python bench/retrieval.py [--data locomo,beam,profiles] [--chats N] [--presets hybrid,...]
-                              [--fresh] [--json]
+                              [--fresh] [--results DIR] [--json]
 
 Data sets: LoCoMo dev (short chit-chat turns between two people, bench/locomo.py), BEAM dev
 (long technical user/assistant chats, bench/beam.py) and the profile set (a user's facts told
@@ -16,7 +16,8 @@ its parts shows in the table.
 The ingested databases are kept in bench/results/retrieval/ (git-ignored): the first run embeds
 (BEAM's 38k messages take a while), later runs only search. `--fresh` ingests again (after a
 change to what is indexed); `--chats N` takes the first N chats / conversations / users of each
-data set (for quick iteration; a subset gets its own database).
+data set (for quick iteration; a subset gets its own database). `--results DIR` keeps the
+databases elsewhere (a re-ingest of your own while others measure the shared ones).
 """
 
 from __future__ import annotations
@@ -122,10 +123,11 @@ def profile_set(chats: int | None) -> DataSet:
 SETS = {"locomo": locomo_set, "beam": beam_set, "profiles": profile_set}
 
 
-def database(name: str, data: DataSet, chats: int | None, fresh: bool) -> Path:
-    """The data set's ingested database, made on first use."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}{'' if chats is None else f'-{chats}'}.db"
+def database(name: str, data: DataSet, chats: int | None, fresh: bool,
+             results: Path = RESULTS) -> Path:
+    """The data set's ingested database in `results`, made on first use."""
+    results.mkdir(parents=True, exist_ok=True)
+    path = results / f"{name}{'' if chats is None else f'-{chats}'}.db"
     if fresh or not path.exists():
         for suffix in ("", "-wal", "-shm"):
             Path(f"{path}{suffix}").unlink(missing_ok=True)
@@ -168,11 +170,12 @@ def first(ranked: list[str], ids: list[str]) -> int:
     return min((i for i, r in enumerate(ranked) if r in ids), default=len(ranked) + 1)
 
 
-def run(names: list[str], chats: int | None, presets: list[str], fresh: bool) -> dict:
+def run(names: list[str], chats: int | None, presets: list[str], fresh: bool,
+        results: Path = RESULTS) -> dict:
     out: dict[str, dict] = {}
     for name in names:
         data = SETS[name](chats)
-        path = database(name, data, chats, fresh)
+        path = database(name, data, chats, fresh, results)
         rows: dict[str, dict] = {}
         for preset in presets:
             fused = PRESETS[preset]
@@ -215,9 +218,10 @@ def main() -> None:
     ap.add_argument("--chats", type=int, help="only the first N chats of each data set")
     ap.add_argument("--presets", default="hybrid", help="fused presets to measure (the first's parts too)")
     ap.add_argument("--fresh", action="store_true", help="ingest again")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where the databases are kept")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    res = run(args.data.split(","), args.chats, args.presets.split(","), args.fresh)
+    res = run(args.data.split(","), args.chats, args.presets.split(","), args.fresh, args.results)
     print(json.dumps(res, indent=2) if args.json else table(res))
 
 
