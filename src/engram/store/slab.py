@@ -233,6 +233,27 @@ class Slab:
             if self.cold is not None:
                 self.cold_at[idx] = -1
 
+    def update_attrs(self, rows: Sequence[Sequence[Any]], d: Dialect | None = None) -> None:
+        """Replace the attributes of some rows: `rows` are (seq, ok, kind, expires, valid_from,
+        valid_to, and in a rich slab the CANDIDATE_COLUMNS), `ok` whether its memory is still
+        in scope and not deleted; a seq the slab does not hold is ignored."""
+        if not rows:
+            return
+        pos, held = self.rows_of([r[0] for r in rows])
+        idx = pos[held]
+        if not len(idx):
+            return
+        self.changes += 1
+        kept = [r for r, h in zip(rows, held.tolist(), strict=True) if h]
+        self.ok[idx] = [bool(r[1]) for r in kept]
+        attrs = [r[2:] for r in kept]
+        self._set_attrs(idx, attrs)
+        if self.rich:
+            for i, c in zip(idx.tolist(), self._candidates(attrs, d), strict=True):
+                self.cands[i] = c
+            if self.cold is not None:
+                self.cold_at[idx] = -1
+
     def visible(self, query: Query, rows: np.ndarray | None = None) -> np.ndarray:
         """Rows `query` may see (of all rows, or of `rows`), except for its metadata
         conditions: the visibility rule (`records.time_bounds`, the same bounds the SQL

@@ -375,6 +375,34 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
             PRIMARY KEY (tenant, seq))""",
         *_tenant_policy("erasures"),
     ]),
+    # Which rows changed since a rows version (store/index/refresh.py): each memory's `changed`
+    # holds the tenant's rows version of its last change to a column the dense cache holds
+    # (the columns 0006's statement trigger compares), so a cache reloads those rows only.
+    # Set before the row is written, as the version the statement's bump makes: the tenant's
+    # writers take turns, so the version read is the last committed one or this
+    # transaction's own.
+    ("0009_row_changes", [
+        "ALTER TABLE memories ADD COLUMN changed bigint NOT NULL DEFAULT 0",
+        "CREATE INDEX memories_changed ON memories (tenant, changed)",
+        f"""CREATE FUNCTION engram_row_changed() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+            IF ROW({", ".join(f"OLD.{c}" for c in _CACHED_COLUMNS)}) IS DISTINCT FROM
+               ROW({", ".join(f"NEW.{c}" for c in _CACHED_COLUMNS)}) THEN
+                NEW.changed := coalesce((SELECT value::bigint FROM meta WHERE tenant = NEW.tenant
+                    AND name = 'rows_version'), 0) + 1;
+            END IF;
+            RETURN NEW; END $$""",
+        "CREATE TRIGGER memories_mark_changed BEFORE UPDATE ON memories FOR EACH ROW "
+        "EXECUTE FUNCTION engram_row_changed()",
+    ]),
+    # What a process's in-memory lexicon of a tenant (index/follow.py) needs to follow the
+    # database, as `lex_log` does on SQLite: every statement that changes rows' lexical
+    # documents (inserted, re-indexed, unindexed, moved to another scope, deleted) logs each row
+    # at the next positions of the tenant's counter (`meta.lex_position`). The counter's row
+    # stays locked from that update to the commit, so positions follow commit order even for
+    # writers outside the tenant's turn: a reader that sees position p sees every one below.
+    # The log keeps a tenant's newest LEX_LOG_KEPT entries (or the `engram.lex_log_kept`
+    # setting's number), pruned each time the counter passes another half of that;
+    # `meta.lex_horizon` is the last position pruned (a lexicon older than it reloads).
 ]
 
 MIGRATIONS_TABLE = f"""CREATE TABLE IF NOT EXISTS schema_migrations (

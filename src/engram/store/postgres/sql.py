@@ -211,12 +211,58 @@ def new_keys(tenant: str, scope: Scope, key_name: str, dim: int, after_seq: int,
             f"JOIN memories m ON m.id = k.memory_id WHERE {w.sql} ORDER BY k.seq", w.params)
 
 
-def key_attrs(tenant: str, scope: Scope, key_name: str, dim: int, rich: bool = False) -> r.Stmt:
+def key_attrs(tenant: str, scope: Scope, key_name: str, dim: int, rich: bool = False,
+              upto_seq: int | None = None) -> r.Stmt:
     """What visibility (and, `rich`, ranking) needs, for every key of live memories of the
-    scope."""
+    scope (up to `upto_seq`)."""
     w = _key_where(tenant, scope, key_name, dim)
+    if upto_seq is not None:
+        w.add("k.seq <= %s", upto_seq)
     return (f"SELECT k.seq, {_attrs(rich)} FROM memory_keys k JOIN memories m "
             f"ON m.id = k.memory_id WHERE {w.sql}", w.params)
+
+
+def changed_keys(tenant: str, scope: Scope, key_name: str, dim: int, since: int, upto_seq: int,
+                 rich: bool, limit: int) -> r.Stmt:
+    """What visibility (and, `rich`, ranking) needs, for the tenant's keys up to `upto_seq`
+    whose memory changed after rows version `since` (`memories.changed`), in any scope, each
+    with whether its memory is still live and in this scope; at most `limit`."""
+    ok = r.Where(DIALECT, "", "m")
+    ok.parts.clear()  # the tenant is the statement's, not the flag's
+    ok.params.clear()
+    ok.add("m.deleted_at IS NULL").scope(scope)
+    return (f"SELECT k.seq, coalesce({ok.sql}, false), {_attrs(rich)} FROM memories m "
+            "JOIN memory_keys k ON k.tenant = m.tenant AND k.memory_id = m.id "
+            f"WHERE m.tenant = %s AND m.changed > %s AND k.kind = %s AND k.dim = {int(dim)} "
+            "AND k.seq <= %s LIMIT %s", [*ok.params, tenant, since, key_name, upto_seq, limit])
+
+
+class KeyReads:
+    """The dense cache's reads (index/refresh.py) of one tenant, in this dialect."""
+
+    def __init__(self, tenant: str) -> None:
+        self.tenant = tenant
+        self.dialect = DIALECT
+
+    def versions(self) -> r.Stmt:
+        return versions(self.tenant)
+
+    def tombstones(self, after_id: int) -> r.Stmt:
+        return tombstones(self.tenant, after_id)
+
+    def new_keys(self, scope: Scope, key_name: str, dim: int, after_seq: int, rich: bool) -> r.Stmt:
+        return new_keys(self.tenant, scope, key_name, dim, after_seq, rich)
+
+    def changed_keys(self, scope: Scope, key_name: str, dim: int, since: int, upto_seq: int,
+                     rich: bool, limit: int) -> r.Stmt:
+        return changed_keys(self.tenant, scope, key_name, dim, since, upto_seq, rich, limit)
+
+    def key_attrs(self, scope: Scope, key_name: str, dim: int, upto_seq: int,
+                  rich: bool) -> r.Stmt:
+        return key_attrs(self.tenant, scope, key_name, dim, rich, upto_seq)
+
+    def vectors(self, blobs: Sequence[Any], dim: int) -> np.ndarray:
+        return read_vectors(blobs, dim)
 
 
 _HORIZON = "SELECT value::bigint FROM meta WHERE tenant = %s AND name = 'tombstone_horizon'"

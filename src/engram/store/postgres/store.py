@@ -29,6 +29,7 @@ from ...threads import Threads
 from .. import bm25
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
+from ..index import refresh
 from ..slab import Slab, evict
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
@@ -114,6 +115,7 @@ class PostgresStore(SQLStore):
         self.cache_rows = cache_rows  # keys held over all scopes (ENGRAM_CACHE_ROWS)
         self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
         self._slabs_lock = threading.Lock()    # the slabs' contents
+        self._keys = sql.KeyReads(tenant)      # the dense cache's reads
         self._refresh_lock = threading.Lock()  # one refresh at a time: it appends by seq
         self._large: dict[tuple[Any, ...], bool] = {}  # scopes known to exceed cache_limit
         # per tenant, the versions last read, and whether they had changed (`_ahead`)
@@ -261,6 +263,7 @@ class PostgresStore(SQLStore):
         other = copy.copy(self)  # the pool, the caches and the index builds are shared
         other.tenant = tenant
         other._local = threading.local()  # a write on one tenant is never seen from another
+        other._keys = sql.KeyReads(tenant)
         other._to_vacuum = set()
         other._closed = False
         return other
@@ -318,7 +321,7 @@ class PostgresStore(SQLStore):
         dim = int(v.shape[0])
         outside = getattr(self._local, "conn", None) is None  # inside a write: the tables
         if outside and not self._large.get(self._slab_key(query.scope, key)):
-            versions = _versions(self._read(*sql.versions(self.tenant)))
+            versions = refresh.versions(self._read(*self._keys.versions()))
             slab = self._cache(query.scope, [key], dim, versions).get(key)
             if slab is not None:
                 with self._slabs_lock:
@@ -396,7 +399,7 @@ class PostgresStore(SQLStore):
             return super().pool(query, k, vector=vector, keys=keys, terms=terms,
                                 previous_weight=previous_weight)
         phrases = bm25.phrases(self._tokenizer, terms) if terms else []
-        statements = [sql.versions(self.tenant)]
+        statements = [self._keys.versions()]
         if phrases:
             statements.append(sql.lexical(self.tenant, query, phrases, k, previous_weight))
         v = None if vector is None or not keys else np.asarray(vector, dtype=np.float32).ravel()
@@ -408,18 +411,19 @@ class PostgresStore(SQLStore):
                 remote[key] = future  # (None: closing, searched here)
         try:
             ahead = {} if v is None else self._ahead(query.scope, keys, dim)
-            for name, (tomb, seq, rich) in ahead.items():
-                statements += [sql.tombstones(self.tenant, tomb),
-                               sql.new_keys(self.tenant, query.scope, name, dim, seq, rich)]
+            at = len(statements)
+            for _, reads in ahead.values():
+                statements += reads
             rows = self._batch(statements)
-            versions = _versions(rows[0])
+            versions = refresh.versions(rows[0])
             self._moving[self.tenant] = versions != self._seen.get(self.tenant)
             self._seen[self.tenant] = versions  # what `candidates` trusts next
             found: dict[str, list[tuple[str, float]]] = {}
             if v is not None:
-                at = 2 if phrases else 1
-                fetched = {name: (tomb, seq, rows[at + 2 * i], rows[at + 2 * i + 1])
-                           for i, (name, (tomb, seq, _)) in enumerate(ahead.items())}
+                fetched: Fetched = {}
+                for name, (mark, reads) in ahead.items():
+                    fetched[name] = (mark, rows[at:at + len(reads)])
+                    at += len(reads)
                 local = [key for key in keys if key not in remote]
                 slabs = self._cache(query.scope, local, dim, versions, fetched)
                 for key in keys:
@@ -443,13 +447,13 @@ class PostgresStore(SQLStore):
     def _slab_key(self, scope: Scope, key_name: str) -> tuple[Any, ...]:
         return (self.tenant, scope.user_id, scope.agent_id, scope.session_id, key_name)
 
-    def _ahead(self, scope: Scope, names: Sequence[str], dim: int) -> dict[str, tuple[int, int, bool]]:
+    def _ahead(self, scope: Scope, names: Sequence[str],
+               dim: int) -> dict[str, tuple[refresh.Mark, list[r.Stmt]]]:
         """While the tenant's data is moving (its versions changed at the last search), the
-        slabs a search will likely find stale, each with the tombstone and seq its refresh
-        starts after (and whether it is rich): `pool` reads their tombstones and new keys in
-        its first round trip, after the versions (so they are at least as new), instead of in
-        a second one. Under a steady stream of adds every search used to make that second
-        round trip."""
+        reads of the slabs a search will likely find stale, each with the mark they start
+        from: `pool` sends them in its first round trip, after the versions (so they are at
+        least as new), instead of in a second one. Under a steady stream of adds every search
+        used to make that second round trip."""
         if not self._moving.get(self.tenant):
             return {}
         out = {}
@@ -458,7 +462,8 @@ class PostgresStore(SQLStore):
                 slab = self._slabs.get(self._slab_key(scope, name))
                 if slab is not None and slab.version >= 0 and slab.tomb_max >= 0 \
                         and slab.mat.shape[1] == dim:
-                    out[name] = (slab.tomb_max, slab.max_seq, slab.rich)
+                    out[name] = (refresh.Mark.of(slab), refresh.reads(
+                        self._keys, scope, name, dim, slab, attrs=True))
         return out
 
     def _cache(self, scope: Scope, names: Sequence[str], dim: int, versions: tuple[int, int],
@@ -484,12 +489,10 @@ class PostgresStore(SQLStore):
 
     def _refresh(self, scope: Scope, wanted: dict[str, tuple[Any, ...]], dim: int,
                  versions: tuple[int, int], fetched: Fetched) -> dict[str, Slab]:
-        """Bring the slabs of `wanted` up to `versions`: new ones are counted first (a scope
-        too large to cache is never loaded), then, in one batch per refresh, each slab's
-        tombstones before its new keys (a key deleted in between is either not loaded or
-        leaves a tombstone read next time) and, if rows changed, every row's attributes.
-        A slab's tombstones and new keys already `fetched` are used if they start where the
-        slab still ends (no other thread refreshed it meanwhile) and no row changed."""
+        """Bring the slabs of `wanted` up to `versions` (index/refresh.py): new ones are
+        counted first (a scope too large to cache is never loaded), then all are read in one
+        batch, or none with what `fetched` holds for a slab whose mark it still is (no other
+        thread refreshed it meanwhile)."""
         t = self.tenant
         with self._slabs_lock:
             slabs = {}
@@ -508,44 +511,35 @@ class PostgresStore(SQLStore):
                     del slabs[name]
         stale = {name: slab for name, slab in slabs.items()
                  if (slab.version, slab.rows_version) != versions}
-        # a new slab's keys come with their attributes; a known one reloads them if rows changed
-        reattr = {name: slab.version >= 0 and slab.rows_version != versions[1]
-                  for name, slab in stale.items()}
-        statements = []
-        ready: dict[str, tuple[list[Any], list[Any]]] = {}
+        statements: list[r.Stmt] = []
+        got: dict[str, Sequence[Any]] = {}
+        planned: dict[str, int] = {}
         for name, slab in stale.items():
-            got = fetched.get(name)
-            if got is not None and not reattr[name] and slab.version >= 0 \
-                    and (got[0], got[1]) == (slab.tomb_max, slab.max_seq):
-                ready[name] = (got[2], got[3])
+            ahead = fetched.get(name)
+            if ahead is not None and slab.version >= 0 and ahead[0] == refresh.Mark.of(slab):
+                got[name] = ahead[1]
                 continue
-            statements += [sql.tombstones(t, slab.tomb_max),
-                           sql.new_keys(t, scope, name, dim, slab.max_seq, slab.rich)]
-            if reattr[name]:
-                statements.append(sql.key_attrs(t, scope, name, dim, slab.rich))
+            reads = refresh.reads(self._keys, scope, name, dim, slab,
+                                  attrs=slab.rows_version != versions[1])
+            planned[name] = len(reads)
+            statements += reads
         results = iter(self._batch(statements) if statements else [])
+        for name, n in planned.items():
+            got[name] = [next(results) for _ in range(n)]
+        reload: dict[str, Slab] = {}
         with self._slabs_lock:
             for name, slab in stale.items():
-                dead, added = ready[name] if name in ready else (next(results), next(results))
-                attrs = next(results) if reattr[name] else None
-                if slab.tomb_max < 0:
-                    slab.tomb_max = dead[0][0]
-                elif dead and dead[0][0] < 0:
-                    # Tombstones it has not applied were pruned: what was deleted meanwhile is
-                    # unknown, so the slab goes; the caller's search loads the scope afresh.
+                done = refresh.apply(slab, self._keys, dim, got[name])
+                if done is refresh.Applied.PRUNED:
+                    # what was deleted meanwhile is unknown: the slab goes, and the caller's
+                    # search loads the scope afresh
                     del slabs[name]
                     self._slabs.pop(wanted[name], None)
                     continue
-                elif dead:
-                    slab.kill([d[1] for d in dead])
-                    slab.tomb_max = dead[-1][0]
-                if added:
-                    slab.append([a[0] for a in added], [a[1] for a in added],
-                                sql.read_vectors([a[2] for a in added], dim),
-                                [a[3:] for a in added], self.dialect)
-                if attrs is not None:
-                    slab.reset_attrs(attrs, self.dialect)
                 slab.version, slab.rows_version = versions
+                if done is refresh.Applied.RELOAD:
+                    slab.rows_version = -1  # not exact (nor trusted by others) until reloaded
+                    reload[name] = slab
                 if int(np.count_nonzero(slab.alive[:slab.n])) > self.cache_limit:
                     self._mark_large(wanted[name])
                     del slabs[name]
@@ -554,6 +548,14 @@ class PostgresStore(SQLStore):
                 self._slabs[wanted[name]] = slab
                 self._slabs.move_to_end(wanted[name])
             evict(self._slabs, self.cache_rows, self._slab_key(scope, "")[:-1])
+        reload = {name: slab for name, slab in reload.items() if name in slabs}
+        if reload:
+            attrs = self._batch([self._keys.key_attrs(scope, name, dim, slab.max_seq, slab.rich)
+                                 for name, slab in reload.items()])
+            with self._slabs_lock:
+                for slab, rows in zip(reload.values(), attrs, strict=True):
+                    slab.reset_attrs(rows, self.dialect)
+                    slab.rows_version = versions[1]
         return slabs
 
     def _mark_large(self, key: tuple[Any, ...]) -> None:
@@ -661,8 +663,8 @@ class PostgresStore(SQLStore):
             log.warning("reclaim: %s", notice.message_primary)
 
 
-# Per key name: the tombstone and seq a slab's refresh was read after, its tombstones, its new keys
-Fetched = dict[str, tuple[int, int, list[Any], list[Any]]]
+# Per key name: the mark a slab's reads were made from, and their rows (`_ahead`)
+Fetched = dict[str, tuple[refresh.Mark, Sequence[Any]]]
 
 
 class _Turn:
@@ -742,12 +744,6 @@ class _Recent(dict[str, V]):
         if len(self) > self.limit:
             for old in list(self)[:len(self) - self.limit // 2]:
                 self.pop(old, None)
-
-
-def _versions(rows: Sequence[Any]) -> tuple[int, int]:
-    """(keys_version, rows_version) from the rows of `sql.versions`."""
-    found = dict(rows)
-    return int(found.get("keys_version", 0)), int(found.get("rows_version", 0))
 
 
 def _shape(tenant: str, query: Query, key: str, dim: int) -> tuple[Any, ...] | None:

@@ -214,6 +214,24 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
             target TEXT NOT NULL,
             at REAL NOT NULL)""",
     ]),
+    # Which rows changed since a rows version (store/index/refresh.py): each memory's `changed`
+    # holds the rows version of its last change to a column the dense cache holds, so a
+    # cache reloads those rows only. Set by the visibility trigger (which bumps the version
+    # first) and by `update` (the ranking columns, after its own bump).
+    ("0009_row_changes", [
+        "ALTER TABLE memories ADD COLUMN changed INTEGER NOT NULL DEFAULT 0",
+        "CREATE INDEX memories_changed ON memories(changed)",
+        "DROP TRIGGER memories_visibility",
+        """CREATE TRIGGER memories_visibility AFTER UPDATE OF deleted_at, expires_at, valid_from,
+               valid_to, kind, user_id, agent_id, session_id ON memories
+           WHEN old.deleted_at IS NOT new.deleted_at OR old.expires_at IS NOT new.expires_at
+             OR old.valid_from IS NOT new.valid_from OR old.valid_to IS NOT new.valid_to
+             OR old.kind IS NOT new.kind OR old.user_id IS NOT new.user_id
+             OR old.agent_id IS NOT new.agent_id OR old.session_id IS NOT new.session_id
+           BEGIN UPDATE meta SET value = value + 1 WHERE name = 'rows_version';
+           UPDATE memories SET changed = (SELECT value FROM meta WHERE name = 'rows_version')
+           WHERE rid = new.rid; END""",
+    ]),
 ]
 
 

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
+
 from ...filters import RECORD_FIELDS, Condition
 from ...model import MemoryRecord, Scope
 from .. import records as r
@@ -153,6 +155,57 @@ def key_attrs(scope: Scope, key_name: str, upto_seq: int, rich: bool = False) ->
     w.add("m.deleted_at IS NULL").scope(scope)
     return (f"SELECT k.seq, {_attrs(rich)} "
             f"FROM memory_keys k JOIN memories m ON m.id = k.memory_id WHERE {w.sql}", w.params)
+
+
+def changed_keys(scope: Scope, key_name: str, since: int, upto_seq: int, rich: bool,
+                 limit: int) -> r.Stmt:
+    """What visibility (and, `rich`, ranking) needs, for the keys up to `upto_seq` whose
+    memory changed after rows version `since` (`memories.changed`), in any scope, each with
+    whether its memory is still live and in this scope; at most `limit`."""
+    ok = r.Where(DIALECT, "").add("m.deleted_at IS NULL").scope(scope)
+    return (f"SELECT k.seq, CASE WHEN {ok.sql} THEN 1 ELSE 0 END, {_attrs(rich)} "
+            "FROM memories m JOIN memory_keys k ON k.memory_id = m.id "
+            "WHERE m.changed > ? AND k.kind = ? AND k.seq <= ? LIMIT ?",
+            [*ok.params, since, key_name, upto_seq, limit])
+
+
+def tombstones(after_id: int) -> r.Stmt:
+    """Keys deleted since tombstone `after_id`, in order (SQLite never prunes them); -1: only
+    the last id."""
+    if after_id < 0:
+        return "SELECT coalesce(max(id), 0), NULL FROM key_tombstones", []
+    return "SELECT id, seq FROM key_tombstones WHERE id > ? ORDER BY id", [after_id]
+
+
+# A row's cached columns changed (`update`, whose bump of rows_version comes first): its mark
+MARK_CHANGED = ("UPDATE memories SET changed = (SELECT value FROM meta WHERE name = 'rows_version') "
+                "WHERE id = ?")
+
+
+class KeyReads:
+    """The dense cache's reads (index/refresh.py), in this dialect."""
+
+    dialect = DIALECT
+
+    def versions(self) -> r.Stmt:
+        return "SELECT name, value FROM meta WHERE name IN ('keys_version', 'rows_version')", []
+
+    def tombstones(self, after_id: int) -> r.Stmt:
+        return tombstones(after_id)
+
+    def new_keys(self, scope: Scope, key_name: str, dim: int, after_seq: int, rich: bool) -> r.Stmt:
+        return new_keys(scope, key_name, after_seq, rich)
+
+    def changed_keys(self, scope: Scope, key_name: str, dim: int, since: int, upto_seq: int,
+                     rich: bool, limit: int) -> r.Stmt:
+        return changed_keys(scope, key_name, since, upto_seq, rich, limit)
+
+    def key_attrs(self, scope: Scope, key_name: str, dim: int, upto_seq: int,
+                  rich: bool) -> r.Stmt:
+        return key_attrs(scope, key_name, upto_seq, rich)
+
+    def vectors(self, blobs: Sequence[Any], dim: int) -> np.ndarray:
+        return np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(blobs), dim)
 
 
 def key_vectors(ids: Sequence[str], key_name: str) -> r.Stmt:

@@ -32,7 +32,7 @@ from ...threads import Threads
 from .. import cachefile
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Seen, Select
-from ..index import ann, lexicon
+from ..index import ann, dense, lexicon, refresh
 from ..index.lexicon import MAX_DEAD, Lexicon
 from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
@@ -95,6 +95,7 @@ class SQLiteStore(SQLStore):
         self._local = threading.local()  # .dirty: this thread's open write changed keys
         self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
         self._slabs_lock = threading.Lock()
+        self._keys = sql.KeyReads()  # the dense cache's reads
         self._saver = Threads(1, "engram-cache-save")  # cache files and counts (`_in_background`)
         self._helper = Threads(1, "engram-search")  # a search's lexical side (`pool`)
         self._helper_free = threading.Semaphore(1)  # taken while a search uses the helper
@@ -259,8 +260,9 @@ class SQLiteStore(SQLStore):
     # -- dense search over the in-process cache ------------------------------------------------
 
     def _slab(self, query: Query, key_name: str, dim: int) -> tuple[Slab, bool]:
-        """The scope's cache, refreshed; and whether it is exact (its visibility attributes
-        may be used instead of re-checking candidates against the tables)."""
+        """The scope's cache, refreshed (index/refresh.py); and whether it is exact (its
+        visibility attributes may be used instead of re-checking candidates against the
+        tables)."""
         scope = query.scope
         meta = dict(self._read("SELECT name, value FROM meta"))
         version: int = meta["keys_version"]
@@ -274,38 +276,29 @@ class SQLiteStore(SQLStore):
                 self._slabs[key] = slab
             self._slabs.move_to_end(key)
             # Inside a write that already changed keys, this connection sees rows that may yet
-            # roll back: use the cache as it is (committed state) rather than load them.
-            if slab.version != version and not getattr(self._local, "dirty", False):
-                # Tombstones first, then keys: a key deleted in between is either not
-                # loaded or leaves a tombstone past `tomb_max`, applied next time.
-                if slab.tomb_max < 0:
-                    slab.tomb_max = self._read(
-                        "SELECT coalesce(max(id), 0) FROM key_tombstones")[0][0]
-                else:
-                    dead = self._read("SELECT id, seq FROM key_tombstones WHERE id > ? "
-                                      "ORDER BY id", [slab.tomb_max])
-                    if dead:
-                        slab.kill([d[1] for d in dead])
-                        slab.tomb_max = dead[-1][0]
-                first_load = slab.n == 0
-                rows = self._read(*sql.new_keys(scope, key_name, slab.max_seq, slab.rich))
-                if rows:
-                    vecs = np.frombuffer(b"".join(row[2] for row in rows), dtype=np.float32)
-                    slab.append([row[0] for row in rows], [row[1] for row in rows],
-                                vecs.reshape(len(rows), dim), [row[3:] for row in rows],
-                                self.dialect)
-                    if in_tx:  # their rows may carry this write's uncommitted changes
-                        slab.rows_version = -1
-                    elif first_load:
-                        # every row was just read, after `rows_version`: its attributes are
-                        # at least that fresh (no second read of them all)
-                        slab.rows_version = rows_version
-                    evict(self._slabs, self.cache_rows, key[:-1])  # only rows added can overflow
+            # roll back: use the cache as it is (committed state) rather than load them. Inside
+            # one that did not, its keys are committed ones, but their rows may carry its
+            # changes: their attributes are not taken as exact.
+            if not getattr(self._local, "dirty", False) and (
+                    slab.version != version or (not in_tx and slab.rows_version != rows_version)):
+                n = slab.n
+                for _ in range(2):
+                    reads = refresh.reads(self._keys, scope, key_name, dim, slab, attrs=not in_tx)
+                    done = refresh.apply(slab, self._keys, dim,
+                                         [self._read(*stmt) for stmt in reads])
+                    if done is not refresh.Applied.PRUNED:
+                        break
+                    slab = self._slabs[key] = Slab(dim, rich=key_name == "text")
+                if done is refresh.Applied.RELOAD:
+                    slab.reset_attrs(self._read(*self._keys.key_attrs(
+                        scope, key_name, dim, slab.max_seq, slab.rich)), self.dialect)
                 slab.version = version
-            if not in_tx and slab.rows_version != rows_version:
-                slab.reset_attrs(self._read(*sql.key_attrs(scope, key_name, slab.max_seq, slab.rich)),
-                                 self.dialect)
-                slab.rows_version = rows_version
+                if not in_tx:
+                    slab.rows_version = rows_version
+                elif slab.n > n:  # their rows may carry this write's uncommitted changes
+                    slab.rows_version = -1
+                if slab.n > n:
+                    evict(self._slabs, self.cache_rows, key[:-1])  # only rows added can overflow
             exact = not in_tx and slab.version == version and slab.rows_version == rows_version
             if exact:
                 slab.erasures = meta["erasures"]
@@ -413,74 +406,19 @@ class SQLiteStore(SQLStore):
     def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
         return {row[0] for row in self._read(*sql.visible_ids(query, ids))} if ids else set()
 
-    def _ann(self, slab: Slab, key: tuple[Any, ...]) -> ann.Ann:
-        """The slab's HNSW index, loaded from its file or built from the live rows, with the
-        rows added since; built again once a quarter of it is dead (call with the lock held)."""
-        index = slab.ann
-        if index is not None and slab.ann_at == slab.changes:
-            return index  # no row changed since it was brought up to date
-        # never beside an encrypted database: the index holds its vectors in clear
-        path = (ann.file_for(self._ann_dir, key)
-                if self._ann_dir is not None and not self._db.encrypted else None)
-        live = slab.live_rows()
-        if index is not None:
-            indexed = int(np.count_nonzero(slab.seqs[live] <= index.max_seq))
-            if len(index) - indexed > ann.MAX_DEAD * len(index):
-                index = None  # mostly dead: rebuild
-        elif path is not None:
-            index = ann.Ann.load(path, slab.mat.shape[1])
-        if index is None:
-            index = ann.Ann(slab.mat.shape[1])
-            index.add(slab.seqs[live], slab.mat[live])
-            log.info("built an ANN index over %d keys of %s", len(index), key)
-            if path is not None:
-                index.save(path)
-        new = live[slab.seqs[live] > index.max_seq]
-        index.add(slab.seqs[new], slab.mat[new])
-        slab.ann, slab.ann_at = index, slab.changes
-        return index
-
-    def _dense_ann(self, slab: Slab, index: ann.Ann, vector: np.ndarray,
-                   k: int, query: Query) -> list[tuple[str, float]] | None:
-        """The best `k` visible memories among the index's nearest keys, scored exactly from
-        the matrix; None when the visible ones are too few for the index to find them (a
-        scan does it better). Call with the lock held."""
-        count = min(len(index), k + k // 8 + 32 if not query.conditions else 4 * k + 64)
-        while True:
-            seqs = index.search(vector, count)
-            pos, held = slab.rows_of(seqs)
-            rows = pos[held]
-            rows = rows[slab.visible(query, rows)]  # of these rows only: not a scan of all
-            sims = slab.mat[rows] @ vector
-            order = np.argsort(-sims, kind="stable")
-            rows, sims = rows[order], sims[order]
-            _, first = np.unique(slab.codes[rows], return_index=True)  # best key per memory
-            first.sort()
-            best = dict(zip(map(slab.memory_ids.__getitem__, rows[first].tolist()),
-                            sims[first].tolist(), strict=True))
-            if query.conditions:
-                visible = self._visible(query, list(best))
-                best = {mid: s for mid, s in best.items() if mid in visible}
-            if len(best) >= k or count >= len(index):
-                return list(best.items())[:k]
-            if 4 * count > len(index) // 2:
-                return None
-            count *= 4
-
     def dense(self, query: Query, vector: np.ndarray, k: int,
               key: str = "text") -> list[tuple[str, float]]:
         vector = unit(np.asarray(vector, dtype=np.float32))  # cosine, as the protocol says
         slab, exact = self._slab(query, key, vector.shape[0])
-        if exact and k > 0 and slab.n > self.ann_threshold and ann.available():
-            s = query.scope
-            with self._slabs_lock:
-                index = self._ann(slab, (s.user_id, s.agent_id, s.session_id, key))
-                hits = self._dense_ann(slab, index, vector, k, query)
-            if hits is not None:
-                return hits
         if exact:
+            s = query.scope
+            name = (s.user_id, s.agent_id, s.session_id, key)
+            # never beside an encrypted database: the index holds its vectors in clear
+            path = (ann.file_for(self._ann_dir, name)
+                    if self._ann_dir is not None and not self._db.encrypted else None)
             with self._slabs_lock:
-                return slab.top(query, vector, k, lambda ids: self._visible(query, ids))
+                return dense.search(slab, query, vector, k, lambda ids: self._visible(query, ids),
+                                    self.ann_threshold, path, name)
         # Inside a write: check each candidate against the tables.
         with self._slabs_lock:
             n = slab.n
@@ -570,30 +508,12 @@ class SQLiteStore(SQLStore):
 
     def _complete(self, query: Query, vector: np.ndarray, k: int, keys: Sequence[str],
                   found: dict[str, list[tuple[str, float]]]) -> None:
-        """Each dense key's list of a large scope, from the HNSW index, completed from the
-        pool: a candidate high in another retriever's list (so visible to the query) that the
-        index missed, but whose exact cosine beats the list's last, joins it, as it would in an
-        exact search. The index can miss a small cluster of memories far from the rest of the
-        scope (a conversation among a million others); its words or the other key still bring
-        them to the pool. LoCoMo in a 1M haystack (bench/locomo.py --distractors): R@10 0.579 ->
-        0.711, the exact scan's 0.698; at 100k, the exact scan's recall."""
-        # the first quarter of each list: a candidate lower in all of them does not reach the
-        # results, and scoring every candidate cost ~14 ms a search at 1M (a quarter: ~2 ms)
-        pool = list(dict.fromkeys(mid for hits in found.values() for mid, _ in hits[:k // 4]))
-        v = unit(np.asarray(vector, dtype=np.float32))
+        """Each dense key's list of a large scope completed from the pool (index/dense.py)."""
         s = query.scope
-        for key in keys:
-            hits = found.get(key)
-            with self._slabs_lock:
-                slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, key))
-                if hits is None or slab is None or slab.n <= self.ann_threshold:
-                    continue
-                have = {mid for mid, _ in hits}
-                scored = slab.cosines([mid for mid in pool if mid not in have], v)
-            last = hits[-1][1] if len(hits) >= k else -np.inf
-            joined = [(mid, sim) for mid, sim in scored if sim > last]
-            if joined:
-                found[key] = sorted(hits + joined, key=lambda hit: -hit[1])[:k]
+        with self._slabs_lock:
+            slabs = {key: self._slabs.get((s.user_id, s.agent_id, s.session_id, key))
+                     for key in keys}
+        dense.complete(slabs, self._slabs_lock, vector, k, self.ann_threshold, found)
 
     def _large(self, query: Query) -> bool:
         """Whether the scope's cached `text` keys are more than the ANN threshold."""
@@ -883,10 +803,11 @@ class SQLiteTx(SQLTx):
 
     def update(self, record: MemoryRecord, keys: Sequence[Key] | None = None,
                lexical: Lexical | None = None) -> None:
-        self._exec(*sql.update_memory(record))
         # The text cache holds ranking fields (name, importance, times) that may change with
-        # no key changing: a changed row reloads the cached attributes.
+        # no key changing: the row is marked changed at a new rows version, and reloaded.
         self._exec("UPDATE meta SET value = value + 1 WHERE name = 'rows_version'")
+        self._exec(*sql.update_memory(record))
+        self._exec(sql.MARK_CHANGED, (record.id,))
         if keys is not None:
             self._exec("DELETE FROM memory_keys WHERE memory_id = ?", (record.id,))
             self._put_keys(record.id, keys)
