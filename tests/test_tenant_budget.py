@@ -65,3 +65,28 @@ def test_a_node_serving_many_tenants_keeps_no_state_per_tenant_beyond_its_bounds
         for mem in mems:
             mem.close()
         base.close()
+
+
+def test_the_service_keeps_the_tenants_served_last_open(pg_server: Any, embedder: MiniLM) -> None:
+    from engram.config import Config
+    from engram.server.tenants import Tenants
+
+    config = Config(database_url=pg_server.url(pg_server.create_database()), worker="off")
+    tenants = Tenants(config, embedder=embedder, open_limit=3)
+    try:
+        held = tenants.get("t0")  # a request still using it when it is closed
+        for i in range(8):
+            tenants.get(f"t{i}").add(f"tenant {i} keeps a red kayak", user_id="ana", infer=False)
+            assert len(tenants._open) <= 3
+        assert list(tenants._open) == ["t5", "t6", "t7"] and len(tenants._opening) == 0
+        tenants.get("t6")  # served again: the most recent
+        tenants.get("t1")
+        assert list(tenants._open) == ["t7", "t6", "t1"]
+        for thread in tenants._closing:
+            thread.join()
+        assert [h.memory.text for h in held.search("kayak", user_id="ana")] \
+            == ["tenant 0 keeps a red kayak"]
+        assert [h.memory.text for h in tenants.get("t0").search("kayak", user_id="ana")] \
+            == ["tenant 0 keeps a red kayak"]
+    finally:
+        tenants.close()

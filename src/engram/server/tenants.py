@@ -1,5 +1,7 @@
 """One `Memory` per tenant, opened on first use and kept: all of them share one `Config`, on
 PostgreSQL one connection pool, and the embedders (the model is the big part): one per space.
+On PostgreSQL a node keeps the `OPEN_TENANTS` most recently served open and closes the others
+(nothing of a tenant's data lives in its `Memory`: the dense cache is the shared store's).
 
 The tenant `None` is the single-user database itself (`engram serve --no-auth`), so the
 service and the CLI see the same memories.
@@ -13,7 +15,8 @@ most one chunk, not by the whole flood.
 from __future__ import annotations
 
 import threading
-from collections import deque
+import weakref
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -25,6 +28,7 @@ from ..errors import StoreUnavailable
 from ..providers.embedders import Embedder, choose, get_embedder
 from ..store import Stores
 
+OPEN_TENANTS = 16_384  # tenants a node keeps open on PostgreSQL (each `Memory` ~16 KB)
 CHUNK = 32  # texts embedded per turn: ~0.1-0.3 s of MiniLM on a 2-core machine
 EMBED_SLOTS = 2  # turns at the embedder at once
 
@@ -98,24 +102,40 @@ class Tenants:
     `auto` the one each tenant's database was made with (a tenant whose database predates
     int8 as the default keeps fp32 MiniLM), each loaded once and shared by its tenants."""
 
-    def __init__(self, config: Config, embedder: Embedder | None = None) -> None:
+    def __init__(self, config: Config, embedder: Embedder | None = None, *,
+                 open_limit: int = OPEN_TENANTS) -> None:
+        """`open_limit`: on PostgreSQL, the tenants kept open; the least recently served go
+        (closed in the background: a job their worker runs ends first, and the jobs still
+        queued run when the tenant is next opened, as after a restart). A request still using
+        a closed tenant's `Memory` finishes: its store's connections are the shared pool's.
+        On SQLite each tenant's `Memory` holds its own file open, and all stay open."""
         self.config = config
         self._given = embedder
         self._embedders: dict[str, Embedder] = {}
         self.gate = FairGate(slots=EMBED_SLOTS)
         self._lock = threading.Lock()
-        self._open: dict[str | None, Memory] = {}
-        self._opening: dict[str | None, threading.Lock] = {}
+        self._open: OrderedDict[str | None, Memory] = OrderedDict()  # the least recent first
+        self.open_limit = open_limit if config.database_url else None
+        self._closing: list[threading.Thread] = []  # closing tenants no longer kept open
+        # a tenant's lock while someone opens it or waits to
+        self._opening: weakref.WeakValueDictionary[str | None, _Opening] = \
+            weakref.WeakValueDictionary()
         self._stores = Stores(config)  # on PostgreSQL: one connection pool for every tenant
         self.embedder()  # an unknown embedder fails now, not at the first request
 
     def get(self, tenant: str | None) -> Memory:
         mem = self._open.get(tenant)
         if mem is not None:
+            if self.open_limit is not None:
+                with self._lock:
+                    if tenant in self._open:
+                        self._open.move_to_end(tenant)
             return mem
         with self._lock:
-            gate = self._opening.setdefault(tenant, threading.Lock())
-        with gate:  # one open per tenant; other tenants are not held up by a slow one
+            gate = self._opening.get(tenant)
+            if gate is None:
+                gate = self._opening[tenant] = _Opening()
+        with gate.lock:  # one open per tenant; other tenants are not held up by a slow one
             mem = self._open.get(tenant)
             if mem is None:
                 try:
@@ -135,8 +155,30 @@ class Tenants:
                 # Jobs a crashed process left queued (or running past their lease) run now,
                 # not when the tenant next queues one.
                 mem.resume()
-                self._open[tenant] = mem
+                with self._lock:
+                    self._open[tenant] = mem
+                    evicted = self._evict()
+                if evicted:
+                    self._close_later(evicted)
         return mem
+
+    def _close_later(self, mems: list[Memory]) -> None:
+        """Close on a thread of their own (a job their worker runs ends first), not in the
+        request that opened another tenant."""
+        def close() -> None:
+            for mem in mems:
+                mem.close()
+        thread = threading.Thread(target=close, daemon=True, name="engram-tenant-close")
+        with self._lock:
+            self._closing = [t for t in self._closing if t.is_alive()] + [thread]
+        thread.start()
+
+    def _evict(self) -> list[Memory]:
+        """The least recently served tenants beyond `open_limit`, out of the map."""
+        out: list[Memory] = []
+        while self.open_limit is not None and len(self._open) > max(1, self.open_limit):
+            out.append(self._open.popitem(last=False)[1])
+        return out
 
     def embedder(self, recorded: str | None = None) -> Embedder:
         """The embedder for a database recorded in space `recorded` (None: a new one)."""
@@ -153,7 +195,18 @@ class Tenants:
 
     def close(self) -> None:
         with self._lock:
+            closing, self._closing = self._closing, []
+        for thread in closing:
+            thread.join()
+        with self._lock:
             for mem in self._open.values():
                 mem.close()
             self._open.clear()
         self._stores.close()
+
+
+class _Opening:
+    """A lock of one tenant being opened (a weak map holds it only while it is in use)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
