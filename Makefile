@@ -76,6 +76,11 @@ bench-embed: install
 bench-scale: install
 	$(PY) bench/scale.py
 
+# 10,000 tenants on one PostgreSQL: a node's RSS, connections, caches, latency (docs/postgres.md)
+.PHONY: bench-tenants
+bench-tenants: dev
+	$(PY) bench/tenants.py
+
 bench-load: dev
 	$(PY) bench/load.py
 

