@@ -91,7 +91,7 @@ class Config:
     pg_statement_timeout_s: float | None = None  # None: max(60, 2 * busy_timeout_s)
     pg_connect_timeout_s: float = 5.0       # to open a connection (the server is down past it)
     pg_exact_limit: int = 2000              # dense search scans up to this many keys, then HNSW
-    pg_cache_limit: int = 50_000            # keys of a scope a process caches and searches itself
+    pg_cache_limit: int | None = None       # keys of a scope a process caches (None: cache_rows)
     pg_reclaim: str = "vacuum"              # after an erase: vacuum | full (VACUUM FULL) | none
 
     @staticmethod
@@ -114,7 +114,7 @@ class Config:
                 raise InvalidInput(f"{name} must be positive")
         if self.pg_exact_limit < 0:
             raise InvalidInput("pg_exact_limit must be >= 0")
-        if self.pg_cache_limit < 0:
+        if self.pg_cache_limit is not None and self.pg_cache_limit < 0:
             raise InvalidInput("pg_cache_limit must be >= 0")
         if self.pg_reclaim not in ("vacuum", "full", "none"):
             raise InvalidInput("pg_reclaim must be one of vacuum, full, none")

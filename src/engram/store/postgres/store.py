@@ -29,8 +29,8 @@ from ...threads import Threads
 from .. import bm25
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
-from ..index import refresh
-from ..slab import Slab, evict
+from ..index import dense, refresh
+from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
 from .ann import IndexBuilds
@@ -69,7 +69,8 @@ class PostgresStore(SQLStore):
                  statement_timeout_s: float | None = None, connect_timeout_s: float = 5.0,
                  max_connections: int = 10, pool_wait_s: float | None = None,
                  exact_limit: int = 2000, reclaim_mode: str = "vacuum",
-                 cache_limit: int = 50_000, cache_rows: int = 2_000_000) -> None:
+                 cache_limit: int | None = None, cache_rows: int = 2_000_000,
+                 ann_threshold: int = 20_000) -> None:
         """`busy_timeout_s`: how long a write waits for a lock (`lock_timeout`) and, unless
         `pool_wait_s` says otherwise, for a free connection. `statement_timeout_s` defaults to
         max(60, 2 * busy_timeout_s). `exact_limit`: a dense search over at most this many
@@ -79,7 +80,11 @@ class PostgresStore(SQLStore):
         from this process's cache of its vectors (exact); larger ones in the database. Not
         lower: the dimension's HNSW index spans every scope and tenant, and a walk filters as
         it goes, so a scope that is a small share of the index pays for all the others' keys
-        (20 scopes of 25k memories: 9x slower in the database than from the cache)."""
+        (20 scopes of 25k memories: 9x slower in the database than from the cache). None: up
+        to `cache_rows`, so a scope of any size the cache can hold is searched in process.
+        `ann_threshold`: a cached scope of more keys is searched through an HNSW index built in
+        this process (index/ann.py, the `ann` extra: approximate; else exact), as on SQLite;
+        it is kept in memory only (no files: a database server has no directory of ours)."""
         if not isinstance(tenant, str):
             raise InvalidInput("tenant must be a string")
         if reclaim_mode not in RECLAIM_MODES:
@@ -111,7 +116,8 @@ class PostgresStore(SQLStore):
         self._vector: tuple[bytes, str] = (b"", "")  # the last query vector and its literal
         self._oid = 0  # pgvector's `vector` type, once a bulk insert has asked (_vector_oid)
         # The dense cache, shared with the stores of other tenants (keys start with the tenant)
-        self.cache_limit = cache_limit
+        self.cache_limit = cache_rows if cache_limit is None else cache_limit
+        self.ann_threshold = ann_threshold
         self.cache_rows = cache_rows  # keys held over all scopes (ENGRAM_CACHE_ROWS)
         self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
         self._slabs_lock = threading.Lock()    # the slabs' contents
@@ -138,7 +144,8 @@ class PostgresStore(SQLStore):
                    connect_timeout_s=config.pg_connect_timeout_s,
                    max_connections=config.pg_pool_size, pool_wait_s=config.pg_pool_wait_s,
                    exact_limit=config.pg_exact_limit, reclaim_mode=config.pg_reclaim,
-                   cache_limit=config.pg_cache_limit, cache_rows=config.cache_rows)
+                   cache_limit=config.pg_cache_limit, cache_rows=config.cache_rows,
+                   ann_threshold=config.ann_threshold)
 
     # -- connections and transactions --------------------------------------------------------
 
@@ -325,7 +332,9 @@ class PostgresStore(SQLStore):
             slab = self._cache(query.scope, [key], dim, versions).get(key)
             if slab is not None:
                 with self._slabs_lock:
-                    return slab.top(query, v, k, lambda ids: self._visible(query, ids))
+                    return dense.search(slab, query, unit(v), k,
+                                        lambda ids: self._visible(query, ids), self.ann_threshold,
+                                        name=self._slab_key(query.scope, key))
         lit = self._literal(v)
         where, params = r.compile_query(self.dialect, query, self.tenant)
         source = sql.dense_source(dim, where)
@@ -434,10 +443,14 @@ class PostgresStore(SQLStore):
                         found[key] = self.dense(query, v, k, key)
                     else:
                         with self._slabs_lock:
-                            found[key] = slab.top(query, v, k,
-                                                  lambda ids: self._visible(query, ids))
+                            found[key] = dense.search(
+                                slab, query, unit(v), k, lambda ids: self._visible(query, ids),
+                                self.ann_threshold, name=self._slab_key(query.scope, key))
             if terms:
                 found["lexical"] = [(row[0], float(row[1])) for row in rows[1]] if phrases else []
+            if v is not None:  # a large scope's lists, from its HNSW index: completed
+                dense.complete({key: slabs.get(key) for key in keys if key not in remote},
+                               self._slabs_lock, v, k, self.ann_threshold, found)
             return found
         finally:
             wait(remote.values())  # never left running past the search

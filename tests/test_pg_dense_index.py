@@ -1,0 +1,94 @@
+"""PostgreSQL on the shared dense index layer (store/index/): a scope of any size the cache can
+hold is searched in process, through the HNSW index above the ANN threshold as on SQLite, and
+never in the database; the index follows another process's deletes. Small thresholds stand in
+for the 20k and the old 50k `cache_limit`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from conformance.test_store import NOW, put, q, rec
+from engram import Config
+from engram.model import Scope
+from engram.store.index import ann
+from engram.store.postgres import PostgresStore
+
+DIM = 16
+
+
+@pytest.fixture
+def db(pg_server: Any) -> Iterator[str]:
+    name = pg_server.create_database()
+    yield pg_server.url(name)
+    with pg_server.admin() as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def _vectors(n: int, seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).normal(size=(n, DIM)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def _search(store: PostgresStore, probe: np.ndarray, k: int = 10) -> list[tuple[str, float]]:
+    return store.pool(q(Scope("u1")), k, vector=probe, keys=["text"], terms=["item"])["text"]
+
+
+@pytest.mark.skipif(not ann.available(), reason="the `ann` extra (usearch) is not installed")
+def test_a_scope_above_the_ann_threshold_is_searched_in_process(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """300 keys, with an ANN threshold of 100 and no cache limit given: the scope is cached
+    (once past the old limit it went to pgvector), searched through this process's HNSW
+    index with the exact scan's answers, and no dense statement reaches the database."""
+    store = PostgresStore(db, ann_threshold=100)
+    tables = PostgresStore(db, cache_limit=0)  # searched in the database, exactly
+    writer = PostgresStore(db)
+    sent: list[str] = []
+    batch = PostgresStore._batch
+
+    def recorded(self: PostgresStore, statements: Any, **kw: Any) -> Any:
+        if self is store:
+            sent.extend(stmt for stmt, _ in statements)
+        return batch(self, statements, **kw)
+
+    try:
+        vectors = _vectors(300, 11)
+        records = [rec(f"item {i}") for i in range(300)]
+        put(writer, *records, vectors=list(vectors))
+        monkeypatch.setattr(PostgresStore, "_batch", recorded)
+        for i in (0, 17, 123, 299):
+            got, want = _search(store, vectors[i]), _search(tables, vectors[i])
+            assert [m for m, _ in got] == [m for m, _ in want]
+            assert np.allclose([s for _, s in got], [s for _, s in want], atol=1e-5)
+        slab = store._slabs[store._slab_key(Scope("u1"), "text")]
+        assert slab.n == 300 and slab.ann is not None and not store._large
+        assert sent and not any("<=>" in stmt for stmt in sent)  # pgvector's cosine distance
+        # another process deletes the best hit: gone from the next search, though the index
+        # still holds its key (the slab filters it)
+        with writer.write() as tx:
+            tx.soft_delete([records[17].id], NOW)
+        got = _search(store, vectors[17])
+        assert records[17].id not in {m for m, _ in got}
+        assert [m for m, _ in got] == [m for m, _ in _search(tables, vectors[17])]
+    finally:
+        for s in (store, tables, writer):
+            s.close()
+
+
+def test_the_cache_limit_defaults_to_the_cache_rows(db: str) -> None:
+    """No cliff at 50k: a scope is cached up to the whole cache's budget unless told otherwise."""
+    config = Config(database_url=db, cache_rows=123_456)
+    store = PostgresStore.from_config(config)
+    try:
+        assert store.cache_limit == 123_456
+        assert store.ann_threshold == config.ann_threshold
+    finally:
+        store.close()
+    small = PostgresStore(db, cache_rows=77)
+    try:
+        assert small.cache_limit == 77
+    finally:
+        small.close()
