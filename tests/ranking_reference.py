@@ -64,14 +64,15 @@ def fuse_arrays(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapp
 def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page: int,
                 about: Collection[str] | None = None,
                 asked: frozenset[str] = frozenset(),
-                same: Callable[[str, str, bool], bool] | None = None) -> dict[str, float]:
+                same: Callable[[str, str, bool, bool], bool] | None = None,
+                question: frozenset[str] = frozenset()) -> dict[str, float]:
     """Topic-level newest-wins: how much each candidate on the first `page` results is lifted
     to rank just above the older ones it revises (ids of unlifted candidates are left out).
 
     A newer candidate revises an older one on the page when both come from the same speaker
-    (or neither has one) and either they share a word that no other candidate uses (the topic:
-    "Spanish" in "learning Spanish" and "I dropped Spanish") or the newer, said by a person,
-    says that something changed ("we moved to Leeds", "instead", "no longer"). Near-equal
+    (the same name and role) and either they share a word that no other candidate uses (the
+    topic: "Spanish" in "learning Spanish" and "I dropped Spanish") or the newer says that
+    something changed ("we moved to Leeds", "instead", "no longer"). Near-equal
     means "both on the first page": a score margin would mean one thing among ten memories and
     another among a thousand, while the page is where a reader looks either way, and a
     candidate from deeper in the pool is never brought onto it. Candidates are visited oldest
@@ -82,30 +83,49 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
     question's subject (`asked`: the names it mentions) never link two statements: the candidates
     were retrieved because they share them, so "Ana" links "Ana is allergic to peanuts" to
     "Ana moved to Lisbon" only by construction when the question is "Where does Ana live?".
+    Newer is later in time, or at the same time told later (then only a change revises).
+    `same` is told whether the two answer the question (`question`: its topic words) alike:
+    a word they share as their topic is one of its words, and both hold the same ones of its
+    words that no more than two candidates use.
     """
     top = sorted(score, key=lambda m: (-score[m], m))[:page]
-    when = {m: recs[m].observed_at or recs[m].created_at for m in top}
+    when = {m: (recs[m].observed_at or recs[m].created_at, recs[m].created_at, m) for m in top}
+    speaker = {m: (recs[m].name, recs[m].role) for m in top}
     words = {m: topic_words(recs[m].text) - asked for m in top}
     # how many candidates use each word that two statements of one speaker share: a word
     # much of the pool uses ("great", a name) is no topic
-    shared = {w for a in top for b in top if when[a] < when[b] and recs[a].name == recs[b].name
+    shared = {w for a in top for b in top if when[a] < when[b] and speaker[a] == speaker[b]
               for w in words[a] & words[b]}
     df = dict.fromkeys(shared, 0)
+    held: set[str] = set()
     if shared:
+        asking = dict.fromkeys(question - asked, 0)
         for rec in recs.values():
-            for w in shared.intersection(topic_words(rec.text)):
+            have = topic_words(rec.text)
+            for w in shared.intersection(have):
                 df[w] += 1
+            for w in asking.keys() & have:
+                asking[w] += 1
+        held = {w for w, k in asking.items() if k <= 2}
+    answers = {m: words[m] & held for m in top}
     lifted = {m: score[m] for m in top}
-    for b in sorted(top, key=lambda m: (when[m], m)):
+    for b in sorted(top, key=lambda m: when[m]):
         if about is not None and b not in about:
             continue
-        # "the same person says something changed" needs a person: a fact (no speaker) is
-        # revised only by a fact sharing its topic word
-        changed = recs[b].name is not None and announces_change(recs[b].text)
-        older = [a for a in top if when[a] < when[b] and recs[a].name == recs[b].name
-                 and lifted[a] >= lifted[b]
-                 and (changed or any(df[w] <= 2 for w in words[a] & words[b]))
-                 and (same is None or same(a, b, changed))]
+        # "the same person says something changed" needs someone to say it (a name or the
+        # role of a message): a fact with neither is revised only by one sharing its topic word
+        changed = ((recs[b].name is not None or recs[b].role is not None)
+                   and announces_change(recs[b].text))
+        older = []
+        for a in top:
+            if not (when[a] < when[b] and speaker[a] == speaker[b] and lifted[a] >= lifted[b]):
+                continue
+            if when[a][0] == when[b][0] and not changed:  # one sitting: only a change revises
+                continue
+            topic = {w for w in words[a] & words[b] if df[w] <= 2}
+            if (changed or topic) and (same is None or same(
+                    a, b, bool(topic & held) and answers[a] == answers[b], changed)):
+                older.append(a)
         if older:
             lifted[b] = max(lifted[a] for a in older) + 1e-3
     return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}
@@ -197,7 +217,7 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         subject = topic_words(" ".join(re.findall(r"(?<!^)(?<![.?!] )\b[A-Z][\w'-]*", query.strip())))
         same = (None if vectors is None or query_vector is None
                 else same_thing(vectors(top), query_vector))
-        lifts = newest_wins(on_page, recs, cfg.newer_page, about, subject, same)
+        lifts = newest_wins(on_page, recs, cfg.newer_page, about, subject, same, topic_words(query))
         if lifts:
             at = {mid: i for i, mid in enumerate(ids)}
             lift = np.zeros(n)

@@ -212,9 +212,14 @@ def test_of_several_revisions_the_newest_comes_first() -> None:
     assert order(fused, cands, "When is the dentist appointment?") == ["c", "b", "a"]
 
 
-def test_equal_times_are_not_revisions() -> None:
-    cands = [cand("a", "I play violin.", FEB), cand("b", "I now play violin and cello.", FEB)]
+def test_at_equal_times_only_a_change_told_later_revises() -> None:
+    # one sitting: the later turn mostly goes on about the earlier one, unless it says that
+    # something changed ("now"); told later is `created_at`, then the id
+    cands = [cand("a", "I play violin in a quartet.", FEB), cand("b", "The violin is lovely.", FEB)]
     assert newest_wins({"a": 1.0, "b": 0.5}, {c.id: c for c in cands}, 10) == {}
+    cands = [cand("a", "I play violin.", FEB), cand("b", "I now play violin and cello.", FEB)]
+    assert set(newest_wins({"a": 1.0, "b": 0.5}, {c.id: c for c in cands}, 10)) == {"b"}
+    assert newest_wins({"b": 1.0, "a": 0.5}, {c.id: c for c in cands}, 10) == {}
 
 
 def test_newer_page_must_not_be_negative() -> None:
