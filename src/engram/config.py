@@ -93,6 +93,7 @@ class Config:
     pg_exact_limit: int = 2000              # dense search scans up to this many keys, then HNSW
     pg_cache_limit: int | None = None       # keys of a scope a process caches (None: cache_rows)
     pg_reclaim: str = "vacuum"              # after an erase: vacuum | full (VACUUM FULL) | none
+    pg_lexicon_threshold: int = 1000        # a tenant of more memories is ranked lexically in process
 
     @staticmethod
     def _pg_env() -> tuple[tuple[str, str, Any], ...]:
@@ -103,7 +104,8 @@ class Config:
                 ("pg_connect_timeout_s", "ENGRAM_PG_CONNECT_TIMEOUT", float),
                 ("pg_exact_limit", "ENGRAM_PG_EXACT_LIMIT", int),
                 ("pg_cache_limit", "ENGRAM_PG_CACHE_LIMIT", int),
-                ("pg_reclaim", "ENGRAM_PG_RECLAIM", str))
+                ("pg_reclaim", "ENGRAM_PG_RECLAIM", str),
+                ("pg_lexicon_threshold", "ENGRAM_PG_LEXICON_THRESHOLD", int))
 
     def _pg_validated(self) -> None:
         if self.pg_pool_size < 1:
@@ -116,6 +118,8 @@ class Config:
             raise InvalidInput("pg_exact_limit must be >= 0")
         if self.pg_cache_limit is not None and self.pg_cache_limit < 0:
             raise InvalidInput("pg_cache_limit must be >= 0")
+        if self.pg_lexicon_threshold < 0:
+            raise InvalidInput("pg_lexicon_threshold must be >= 0")
         if self.pg_reclaim not in ("vacuum", "full", "none"):
             raise InvalidInput("pg_reclaim must be one of vacuum, full, none")
     # -- end of PostgreSQL tuning -----------------------------------------------------------------

@@ -32,6 +32,7 @@ N the rows and avgdl the mean D of the tenant, n(p) the rows holding the phrase.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sqlite3
 import threading
@@ -123,6 +124,19 @@ def pair(a: str, b: str) -> str:
     two-token phrase `a b` (a possessive: `carolin s`) are the rows holding this term, so such a
     phrase is found and counted like a word."""
     return f"{a} {b}"
+
+
+def untagged(column: str | None) -> list[str]:
+    """The tokens of a tagged column (`tagged`'s inverse)."""
+    return column[1:-1].split("><") if column else []
+
+
+def scope_tokens(scope: Scope) -> list[str]:
+    """Opaque full-text tokens for the set fields of a scope, as the SQLite index keeps them in
+    its third column (letters and digits only, so the tokenizer keeps each whole; hashed, so ids
+    of any shape fit)."""
+    return ["o" + hashlib.sha256(f"{field}\x1f{value}".encode()).hexdigest()[:24]
+            for field, value in scope.as_dict().items() if value is not None]
 
 
 def owner_tokens(scope: Scope) -> int:

@@ -74,6 +74,8 @@ class Ranked:
 
 
 Doc = tuple[int, str, str, str, str]  # (rid, memory id, body, context, owner) of a memory_fts row
+# (rid, memory id, tokens of the body, of the context, of the scope): a document already tokenised
+Tokens = tuple[int, str, Sequence[str], Sequence[str], Sequence[str]]
 MAX_SEGMENTS = 8
 MAX_DEAD = 0.25
 BATCH = 20_000       # documents tokenised at once while building
@@ -154,13 +156,12 @@ class Segment:
 class Lexicon:
     """BM25 postings of every row of `memory_fts`, exact as of log entry `version`."""
 
-    def __init__(self) -> None:
-        self._fts = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
-        self._fts.execute("CREATE VIRTUAL TABLE t USING fts5(a, b, c, content='', "
-                          f"tokenize='{TOKENIZE}')")
-        self._fts.execute("CREATE VIRTUAL TABLE v USING fts5vocab(t, 'instance')")
-        self._fts.execute("CREATE VIRTUAL TABLE vr USING fts5vocab(t, 'row')")
-        self.query_tokens = Tokenizer()  # a query term's phrase, as FTS5 parses it
+    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+        """`tokenizer`: a query term's phrase, as FTS5 parses it (shared with its owner, who
+        closes it; else the lexicon's own)."""
+        self._fts: sqlite3.Connection | None = None  # tokenises `add`'s texts, made when needed
+        self._owns_tokenizer = tokenizer is None
+        self.query_tokens = Tokenizer() if tokenizer is None else tokenizer
         self.vocab: dict[str, int] = {}
         self.segments: list[Segment] = []
         self.rids = np.zeros(0, dtype=np.int64)   # per document: its memory_fts rowid
@@ -184,8 +185,10 @@ class Lexicon:
         self._tmp = np.zeros((3, 0))  # per posting of a term: f, numerator, denominator
 
     def close(self) -> None:
-        self._fts.close()
-        self.query_tokens.close()
+        if self._fts is not None:
+            self._fts.close()
+        if self._owns_tokenizer:
+            self.query_tokens.close()
 
     # -- keeping it exact ----------------------------------------------------------------------
 
@@ -193,6 +196,16 @@ class Lexicon:
         """Index rows (read from memory_fts), as new documents."""
         for i in range(0, len(docs), BATCH):
             self._add(docs[i:i + BATCH])
+        self._merge()
+
+    def add_tokens(self, docs: Sequence[Tokens]) -> None:
+        """Index documents given as their tokens (the PostgreSQL store's, made by the same
+        tokenizer: bm25.py), as new documents."""
+        for i in range(0, len(docs), BATCH):
+            self._add_tokens(docs[i:i + BATCH])
+        self._merge()
+
+    def _merge(self) -> None:
         # the small segments of the latest writes merge with each other; with the first,
         # largest one only once they add up to a quarter of it
         if len(self.segments) > MAX_SEGMENTS:
@@ -204,7 +217,13 @@ class Lexicon:
     def _add(self, docs: Sequence[Doc]) -> None:
         if not docs:
             return
-        db, base = self._fts, self.n
+        db = self._fts
+        if db is None:
+            db = self._fts = sqlite3.connect(":memory:", isolation_level=None,
+                                             check_same_thread=False)
+            db.execute(f"CREATE VIRTUAL TABLE t USING fts5(a, b, c, content='', tokenize='{TOKENIZE}')")
+            db.execute("CREATE VIRTUAL TABLE v USING fts5vocab(t, 'instance')")
+            db.execute("CREATE VIRTUAL TABLE vr USING fts5vocab(t, 'row')")
         db.execute("BEGIN")
         db.executemany("INSERT INTO t(rowid, a, b, c) VALUES (?, ?, ?, ?)",
                        [(j, d[2], d[3], d[4]) for j, d in enumerate(docs)])
@@ -221,9 +240,31 @@ class Lexicon:
         ids = np.array([vocab.setdefault(term, len(vocab)) for term, _ in counts], dtype=np.int64)
         toks = np.repeat(ids, [c for _, c in counts])
         assert len(toks) == len(packed), "the vocabulary tables disagree"
-        dids = packed >> 34
-        cs = ((packed >> 32) & 3).astype(np.int8)
-        offs = packed & 0xFFFFFFFF
+        self._index(docs, toks, packed >> 34, ((packed >> 32) & 3).astype(np.int8),
+                    packed & 0xFFFFFFFF)
+
+    def _add_tokens(self, docs: Sequence[Tokens]) -> None:
+        if not docs:
+            return
+        vocab = self.vocab
+        toks: list[int] = []
+        dids: list[int] = []
+        cs: list[int] = []
+        offs: list[int] = []
+        for j, (_, _, *cols) in enumerate(docs):
+            for c, col in enumerate(cols):
+                toks += [vocab.setdefault(t, len(vocab)) for t in col]
+                dids += [j] * len(col)
+                cs += [c] * len(col)
+                offs += range(len(col))
+        self._index(docs, np.array(toks, dtype=np.int64), np.array(dids, dtype=np.int64),
+                    np.array(cs, dtype=np.int8), np.array(offs, dtype=np.int64))
+
+    def _index(self, docs: Sequence[Doc] | Sequence[Tokens], toks: np.ndarray, dids: np.ndarray,
+               cs: np.ndarray, offs: np.ndarray) -> None:
+        """A segment of new documents, from one entry per token occurrence: its term id,
+        document (0-based in `docs`), column (0 text, 1 previous turn, 2 scope) and offset."""
+        base = self.n
         lens = np.bincount(dids, minlength=len(docs)).astype(np.float64)
         # pairs of adjacent tokens of the same column (text and context; scope tokens are
         # never searched as phrases)

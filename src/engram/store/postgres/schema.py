@@ -35,12 +35,17 @@ TOMBSTONES_SETTING = "engram.tombstones_kept"  # a database or role may set anot
 # Tables whose rows belong to a tenant: each gets the tenant policy below.
 TENANT_TABLES = ("memories", "memory_keys", "events", "meta", "jobs", "sessions", "lex_stats",
                  "lex_terms", "entities", "entity_names", "relations", "mentions", "embedding_space",
-                 "key_tombstones", "erasures")
+                 "key_tombstones", "erasures", "lex_log")
 _GRAPH_TABLES = ("entities", "entity_names", "relations", "mentions")
 # The columns of `memories` the dense cache holds (visibility, then ranking: CANDIDATE_COLUMNS)
 _CACHED_COLUMNS = ("deleted_at", "expires_at", "valid_from", "valid_to", "kind", "user_id",
                    "agent_id", "session_id", "name", "text", "observed_at", "created_at",
                    "importance")
+# The columns of `memories` a lexicon's document is made of (its tokens, and its scope: the
+# scope's tokens are in it) and whether it has one
+_LEX_COLUMNS = ("lex_body", "lex_context", "lex_len", "user_id", "agent_id", "session_id")
+LEX_LOG_KEPT = 100_000  # lex_log entries a tenant keeps (0010)
+LEX_LOG_SETTING = "engram.lex_log_kept"  # a database or role may set another number
 _TENANT_TABLES_0001 = ("memories", "memory_keys", "events", "meta", "jobs", "sessions")
 
 Step = str | Callable[[Connection], None]  # a statement, or a function that rewrites data
@@ -403,6 +408,52 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
     # The log keeps a tenant's newest LEX_LOG_KEPT entries (or the `engram.lex_log_kept`
     # setting's number), pruned each time the counter passes another half of that;
     # `meta.lex_horizon` is the last position pruned (a lexicon older than it reloads).
+    ("0010_lexicon_log", [
+        f"""CREATE TABLE lex_log (
+            tenant {TEXT} NOT NULL,
+            pos bigint NOT NULL,
+            memory_id {TEXT} NOT NULL,
+            erased boolean NOT NULL,
+            PRIMARY KEY (tenant, pos))""",
+        *_tenant_policy("lex_log"),
+        f"""CREATE FUNCTION engram_lex_log(t text, ids text[], erased boolean) RETURNS void
+            LANGUAGE plpgsql AS $$
+            DECLARE n bigint := cardinality(ids); top bigint; kept bigint := greatest(2, coalesce(
+                nullif(current_setting('{LEX_LOG_SETTING}', true), '')::bigint, {LEX_LOG_KEPT}));
+            BEGIN
+            INSERT INTO meta (tenant, name, value) VALUES (t, 'lex_position', to_jsonb(n))
+                ON CONFLICT (tenant, name) DO UPDATE SET value = to_jsonb(meta.value::bigint + n)
+                RETURNING value::bigint INTO top;
+            INSERT INTO lex_log (tenant, pos, memory_id, erased)
+                SELECT t, top - n + i, u.id, erased FROM unnest(ids) WITH ORDINALITY AS u(id, i);
+            IF top / (kept / 2) > (top - n) / (kept / 2) AND top > kept THEN
+                DELETE FROM lex_log WHERE tenant = t AND pos <= top - kept;
+                INSERT INTO meta (tenant, name, value) VALUES (t, 'lex_horizon', to_jsonb(top - kept))
+                    ON CONFLICT (tenant, name) DO UPDATE SET value = excluded.value;
+            END IF; END $$""",
+        """CREATE FUNCTION engram_lex_added() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+            PERFORM engram_lex_log(tenant, array_agg(id ORDER BY id), false) FROM added
+                WHERE lex IS NOT NULL GROUP BY tenant;
+            RETURN NULL; END $$""",
+        f"""CREATE FUNCTION engram_lex_changed() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+            PERFORM engram_lex_log(n.tenant, array_agg(n.id ORDER BY n.id), false)
+                FROM changed_to n JOIN changed_from o ON o.tenant = n.tenant AND o.id = n.id
+                WHERE (o.lex IS NULL) <> (n.lex IS NULL)
+                    OR {" OR ".join(f"o.{c} IS DISTINCT FROM n.{c}" for c in _LEX_COLUMNS)}
+                GROUP BY n.tenant;
+            RETURN NULL; END $$""",
+        """CREATE FUNCTION engram_lex_gone() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+            PERFORM engram_lex_log(tenant, array_agg(id ORDER BY id), true) FROM gone
+                WHERE lex IS NOT NULL GROUP BY tenant;
+            RETURN NULL; END $$""",
+        "CREATE TRIGGER memories_lex_added AFTER INSERT ON memories REFERENCING NEW TABLE AS "
+        "added FOR EACH STATEMENT EXECUTE FUNCTION engram_lex_added()",
+        "CREATE TRIGGER memories_lex_changed AFTER UPDATE ON memories REFERENCING OLD TABLE AS "
+        "changed_from NEW TABLE AS changed_to FOR EACH STATEMENT EXECUTE FUNCTION "
+        "engram_lex_changed()",
+        "CREATE TRIGGER memories_lex_gone AFTER DELETE ON memories REFERENCING OLD TABLE AS "
+        "gone FOR EACH STATEMENT EXECUTE FUNCTION engram_lex_gone()",
+    ]),
 ]
 
 MIGRATIONS_TABLE = f"""CREATE TABLE IF NOT EXISTS schema_migrations (

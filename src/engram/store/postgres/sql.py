@@ -539,6 +539,38 @@ def lexical(tenant: str, query: Query, phrases: Sequence[Phrase], k: int,
     return sql, [*hparams, tenant, float(previous_weight), *cparams, *wparams, tsquery(distinct), k]
 
 
+# -- the in-process lexicon's reads (index/follow.py; the log: schema.py 0010) ------------------
+
+_DOCUMENT = "m.id, m.lex_body, m.lex_context, m.user_id, m.agent_id, m.session_id"
+
+
+def lex_changes(tenant: str, since: int) -> r.Stmt:
+    """The tenant's lexicon log past position `since`, in one snapshot: first the log's
+    position and horizon (on every row; one row with no entry when nothing is new), then each
+    entry with its memory's current document (none: unindexed or gone)."""
+    return ("WITH h AS (SELECT (SELECT value::bigint FROM meta WHERE tenant = %s "
+            "AND name = 'lex_position') AS pos, (SELECT value::bigint FROM meta WHERE tenant = %s "
+            "AND name = 'lex_horizon') AS horizon) "
+            f"SELECT h.pos, h.horizon, l.pos, l.memory_id, l.erased, {_DOCUMENT} FROM h "
+            "LEFT JOIN lex_log l ON l.tenant = %s AND l.pos > %s "
+            "LEFT JOIN memories m ON m.tenant = l.tenant AND m.id = l.memory_id "
+            "AND m.lex IS NOT NULL ORDER BY l.pos",
+            [tenant, tenant, tenant, since])
+
+
+def lex_documents(tenant: str) -> r.Stmt:
+    """Every lexical document of the tenant and the log's position, in one snapshot (a row
+    with no document when there are none)."""
+    return ("WITH p AS (SELECT coalesce((SELECT value::bigint FROM meta WHERE tenant = %s "
+            f"AND name = 'lex_position'), 0) AS pos) SELECT p.pos, {_DOCUMENT} FROM p "
+            "LEFT JOIN memories m ON m.tenant = %s AND m.lex IS NOT NULL", [tenant, tenant])
+
+
+def lex_rows(tenant: str) -> r.Stmt:
+    """How many lexical documents the tenant holds (its BM25 statistics' N)."""
+    return "SELECT coalesce(max(rows), 0) FROM lex_stats WHERE tenant = %s", [tenant]
+
+
 def claim_job(tenant: str, now: datetime, lease_until: datetime) -> r.Stmt:
     """Take the oldest runnable job. SKIP LOCKED: concurrent workers each take a different
     one instead of queueing behind the row the first of them locked."""

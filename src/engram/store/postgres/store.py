@@ -13,7 +13,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
@@ -30,10 +30,12 @@ from .. import bm25
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
 from ..index import dense, refresh
+from ..index.follow import LexicalChanges, LexicalFollower
 from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
 from .ann import IndexBuilds
+from .lexicon import Lexicons
 from .pool import NO_FLUSH, Connection, Pool, translate
 
 if TYPE_CHECKING:
@@ -70,7 +72,8 @@ class PostgresStore(SQLStore):
                  max_connections: int = 10, pool_wait_s: float | None = None,
                  exact_limit: int = 2000, reclaim_mode: str = "vacuum",
                  cache_limit: int | None = None, cache_rows: int = 2_000_000,
-                 ann_threshold: int = 20_000) -> None:
+                 ann_threshold: int = 20_000,
+                 lexicon_threshold: int = 1000, lexicon_rows: int = 2_000_000) -> None:
         """`busy_timeout_s`: how long a write waits for a lock (`lock_timeout`) and, unless
         `pool_wait_s` says otherwise, for a free connection. `statement_timeout_s` defaults to
         max(60, 2 * busy_timeout_s). `exact_limit`: a dense search over at most this many
@@ -84,7 +87,11 @@ class PostgresStore(SQLStore):
         to `cache_rows`, so a scope of any size the cache can hold is searched in process.
         `ann_threshold`: a cached scope of more keys is searched through an HNSW index built in
         this process (index/ann.py, the `ann` extra: approximate; else exact), as on SQLite;
-        it is kept in memory only (no files: a database server has no directory of ours)."""
+        it is kept in memory only (no files: a database server has no directory of ours).
+        `lexicon_threshold`: a tenant of more than this many indexed memories is searched
+        lexically from this process's lexicon of it (postgres/lexicon.py: the same scores);
+        smaller ones by the BM25 statement. `lexicon_rows`: the documents the lexicons of all
+        tenants hold together."""
         if not isinstance(tenant, str):
             raise InvalidInput("tenant must be a string")
         if reclaim_mode not in RECLAIM_MODES:
@@ -106,6 +113,7 @@ class PostgresStore(SQLStore):
         self._to_vacuum: set[str] = set()
         self._closed = False
         self._tokenizer = bm25.Tokenizer()  # shared with the stores of other tenants (for_tenant)
+        self._lexicons = Lexicons(self._tokenizer, lexicon_threshold, lexicon_rows)  # shared too
         # Dense searches whose last count of visible keys was at most `exact_limit` (True; by
         # tenant, query but its time, key, dimension): the next one scans at once; or above it
         # with a valid index (False): the next one asks the index at once. Only a hint: an
@@ -145,7 +153,8 @@ class PostgresStore(SQLStore):
                    max_connections=config.pg_pool_size, pool_wait_s=config.pg_pool_wait_s,
                    exact_limit=config.pg_exact_limit, reclaim_mode=config.pg_reclaim,
                    cache_limit=config.pg_cache_limit, cache_rows=config.cache_rows,
-                   ann_threshold=config.ann_threshold)
+                   ann_threshold=config.ann_threshold,
+                   lexicon_threshold=config.pg_lexicon_threshold)
 
     # -- connections and transactions --------------------------------------------------------
 
@@ -280,6 +289,7 @@ class PostgresStore(SQLStore):
             self._closed = True
             if self._pool.close():  # the last store of the pool
                 self._builds.close()
+                self._lexicons.close()
                 self._sides.close()
                 self._tokenizer.close()
                 with self._slabs_lock:
@@ -409,7 +419,11 @@ class PostgresStore(SQLStore):
                                 previous_weight=previous_weight)
         phrases = bm25.phrases(self._tokenizer, terms) if terms else []
         statements = [self._keys.versions()]
-        if phrases:
+        follower = self._lexicon() if phrases else None
+        since = -1 if follower is None else follower.position
+        if follower is not None:  # the lexicon's changes, else the BM25 statement
+            statements.append(sql.lex_changes(self.tenant, since))
+        elif phrases:
             statements.append(sql.lexical(self.tenant, query, phrases, k, previous_weight))
         v = None if vector is None or not keys else np.asarray(vector, dtype=np.float32).ravel()
         dim = 0 if v is None else int(v.shape[0])
@@ -447,7 +461,22 @@ class PostgresStore(SQLStore):
                                 slab, query, unit(v), k, lambda ids: self._visible(query, ids),
                                 self.ann_threshold, name=self._slab_key(query.scope, key))
             if terms:
-                found["lexical"] = [(row[0], float(row[1])) for row in rows[1]] if phrases else []
+                hits = None
+                if follower is not None:
+                    text = slabs.get("text") if v is not None and not query.conditions else None
+
+                    def visible(ids: list[str]) -> set[str]:
+                        if text is None:
+                            return self._visible(query, ids)
+                        with self._slabs_lock:
+                            return text.visible_ids(query, ids)
+                    hits = self._lexicon_hits(follower, since, rows[1], query, terms, k,
+                                              previous_weight, visible)
+                    if hits is None:
+                        rows[1] = self._read(*sql.lexical(self.tenant, query, phrases, k,
+                                                          previous_weight))
+                found["lexical"] = hits if hits is not None else \
+                    [(row[0], float(row[1])) for row in rows[1]] if phrases else []
             if v is not None:  # a large scope's lists, from its HNSW index: completed
                 dense.complete({key: slabs.get(key) for key in keys if key not in remote},
                                self._slabs_lock, v, k, self.ann_threshold, found)
@@ -608,12 +637,71 @@ class PostgresStore(SQLStore):
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
-        """FTS5's BM25, computed from the same tokens and statistics (see bm25.py)."""
+        """FTS5's BM25, computed from the same tokens and statistics (see bm25.py): by the
+        tenant's lexicon once it has one, else by SQL."""
         phrases = bm25.phrases(self._tokenizer, terms)
         if not phrases or k <= 0:
             return []
+        follower = self._lexicon()
+        if follower is not None:
+            since = follower.position
+            hits = self._lexicon_hits(follower, since,
+                                      self._read(*sql.lex_changes(self.tenant, since)), query,
+                                      terms, k, previous_weight,
+                                      lambda ids: self._visible(query, ids))
+            if hits is not None:
+                return hits
         rows = self._read(*sql.lexical(self.tenant, query, phrases, k, previous_weight))
         return [(row[0], float(row[1])) for row in rows]
+
+    # -- the lexicon (postgres/lexicon.py, index/follow.py) --------------------------------------
+
+    def lexical_changes(self, since: int) -> LexicalChanges:
+        """What changed in the tenant's lexical documents after position `since` (-1: every
+        document), from its change log; every document again when the log cannot be
+        followed from there (pruned past it, or an erasure since)."""
+        if since >= 0:
+            changes = self._lexicons.changes(since, self._read(*sql.lex_changes(self.tenant, since)))
+            if changes is not None:
+                return changes
+        return self._lexicons.whole(self._read(*sql.lex_documents(self.tenant)))
+
+    def build_lexicon(self) -> bool:
+        """Build the tenant's lexicon now (what a search starts on a helper thread when it
+        finds none): True once it holds one, False if the tenant is small."""
+        return self._lexicons.build(self.tenant, self._lexicon_source)
+
+    def _lexicon_source(self) -> LexicalChanges | None:
+        """Every document of the tenant, or None if it holds at most `lexicon_threshold`."""
+        (n,), = self._read(*sql.lex_rows(self.tenant))
+        return None if n <= self._lexicons.threshold else self.lexical_changes(-1)
+
+    def _lexicon(self) -> LexicalFollower | None:
+        """The tenant's lexicon if it has one; never inside a write (its changes may yet roll
+        back, and the statement sees them)."""
+        if getattr(self._local, "conn", None) is not None:
+            return None
+        return self._lexicons.ready(self.tenant, self._lexicon_source)
+
+    def _lexicon_hits(self, follower: LexicalFollower, since: int, rows: list[Any], query: Query,
+                      terms: Sequence[str], k: int, previous_weight: float,
+                      visible: Callable[[list[str]], set[str]]) -> list[tuple[str, float]] | None:
+        """The best `k` visible memories by the lexicon, once it has applied `rows` (the log
+        past `since`: sql.lex_changes); None when SQL answers: the log cannot be followed
+        (the lexicon is dropped at once and built again on the helper thread), or a phrase
+        of three tokens or more."""
+        changes = self._lexicons.changes(since, rows)
+        with follower.lock:
+            lex = None if changes is None else follower.apply(changes)
+            hits = None if lex is None else lex.search(
+                self._lexicons.terms(terms), bm25.scope_tokens(query.scope), k, previous_weight,
+                visible)
+        if changes is None:
+            self._lexicons.forget(self.tenant)
+            self._lexicons.rebuild(self.tenant, self._lexicon_source)
+        elif follower.stale():
+            self._lexicons.rebuild(self.tenant, self._lexicon_source)
+        return None if hits is None else sorted(hits, key=lambda hit: (-hit[1], hit[0]))
 
     def touch(self, ids: Sequence[str], at: datetime) -> None:
         if not ids:
