@@ -34,10 +34,7 @@ PAGES = sorted(DOCS.glob("*.md"))
 PYTHON_PAGES = [page for page in PAGES if blocks(page, "python")]
 # Searches whose first hit is wrong today (the ranking is being fixed elsewhere; the examples stay
 # as a user would write them). strict: the test fails once the ranking finds them.
-WRONG_FIRST_HIT = {
-    "library.md": "'I just moved to Lisbon for a new job.' outranks 'Machine learning engineer at "
-                  "a clinic.' for 'What does Ana do for work?'",
-}
+WRONG_FIRST_HIT: dict[str, str] = {}
 SHELL = [b for page in PAGES for b in blocks(page, "bash")]
 
 

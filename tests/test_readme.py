@@ -29,12 +29,7 @@ SHELL = blocks(README, "bash")
 
 # Searches whose first hit is wrong today. The ranking is being fixed elsewhere and the examples
 # stay as a user would write them; strict, so the test fails once the ranking finds them.
-WRONG_FIRST_HIT = {
-    "README.md:python0": "'I just moved to Lisbon for a new job.' outranks 'Machine learning "
-                         "engineer at a clinic.' for 'What does Ana do for work?'",
-    "README.md:bash0": "the fact 'Ana prefers window seats' outranks the episode 'I moved to "
-                       "Lisbon in May' for 'where does Ana live?'",
-}
+WRONG_FIRST_HIT: dict[str, str] = {}
 
 
 def _params(found: list[Any]) -> list[Any]:

@@ -15,6 +15,7 @@ from ..model import Kind, MemoryRecord, Scope
 from ..store import Key, Lexical
 from . import passages
 from .engine import Engine
+from .text import key_text
 
 WINDOW = 3  # turns in an episode's `window` key: itself and the two before it
 
@@ -23,7 +24,8 @@ Keys = tuple[list[Key], Lexical]
 
 
 def speaker_text(rec: MemoryRecord) -> str:
-    return f"{rec.name}: {rec.text}" if rec.name else rec.text
+    """The text a memory's `text` key embeds (`text.key_text`): "Tom: I moved to Leeds"."""
+    return "".join(key_text(rec))
 
 
 def index(engine: Engine, records: Sequence[MemoryRecord],

@@ -19,6 +19,7 @@ import numpy as np
 from ..model import MemoryRecord
 from ..providers import embedders
 from ..store import Store
+from .text import key_text
 
 KEY = "passage"  # the key name of a passage
 OVERLAP = 48     # tokens a passage may repeat of the one before: the sentence a cut fell in
@@ -105,10 +106,12 @@ def of(embedder: Any, records: Sequence[MemoryRecord]) -> dict[str, list[str]]:
     long = [r for r in records if len(r.text) > size]
     if not long:
         return {}
-    said = [f"{r.name}: {r.text}" if r.name else r.text for r in long]
+    keyed = [key_text(r) for r in long]
+    said = [head + body for head, body in keyed]
     out = {}
-    for rec, text, spans in zip(long, said, reader.token_spans(said), strict=True):
-        found = cut(text, spans, size, len(text) - len(rec.text))
+    for rec, (head, _), text, spans in zip(long, keyed, said, reader.token_spans(said),
+                                           strict=True):
+        found = cut(text, spans, size, len(head))
         if found:
             out[rec.id] = found
     return out

@@ -6,8 +6,11 @@ import hashlib
 import re
 import unicodedata
 
+from ..model import Kind, MemoryRecord
+
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*", re.UNICODE)
 _SPACE = re.compile(r"\s+")
+_GAP = re.compile(r"(?<=\S)[ \t]{2,}")  # where a word was left out of a line
 
 # English function words that carry no topic; kept short on purpose (content words like
 # "like", "time", "first" stay, because questions hinge on them).
@@ -55,3 +58,43 @@ def overlap(a: str, b: str) -> float:
     if not sa and not sb:
         return 1.0
     return len(sa & sb) / len(sa | sb)
+
+
+def own_name(user_id: str | None) -> str | None:
+    """The name of a scope's user as her turns and the facts about her spell it: a user id of
+    one word ("ana"), casefolded; None for an identifier of several ("conv-26", "beam-3")."""
+    found = terms(user_id) if user_id else []
+    return found[0] if len(found) == 1 else None
+
+
+def without_name(text: str, name: str | None) -> str:
+    """`text` without the whole word `name` (nor its possessive, "Ana's"); the text itself
+    when nothing else would be left."""
+    if not name:
+        return text
+    rest = re.sub(rf"(?<![^\W_]){re.escape(name)}(?:['’]s)?(?![^\W_])", "", text,
+                  flags=re.IGNORECASE)
+    if rest == text or not _WORD.search(rest):
+        return text
+    return _GAP.sub(" ", rest).strip()
+
+
+def key_text(rec: MemoryRecord) -> tuple[str, str]:
+    """What a memory's dense keys embed, as (a speaker's "name: " or "", the text).
+
+    A turn is read with its speaker ("Tom: I moved to Leeds"), who is part of what was said,
+    but for the scope's own user (`own_name`): in her scope she is the speaker of half the
+    turns and the subject of every fact, so her name tells nothing apart there, and in a key
+    it only pulls the memories that spell it towards any question that names her (prefixed,
+    "Ana: I just moved to Lisbon for a new job." was closer to "What does Ana do for work?"
+    than her answer "Machine learning engineer at a clinic."). So her turns carry no name, as
+    her unnamed ones never did, and a fact of her scope is read without her name ("Ana
+    prefers window seats" as "prefers window seats"), as her own turns say "I". A turn is
+    otherwise embedded as said. The question keeps the name (the speaker adjustment reads
+    it); the lexical side leaves it out (`retrieve.lexical_terms`)."""
+    own = own_name(rec.scope.user_id)
+    if rec.kind is not Kind.EPISODIC:
+        return "", without_name(rec.text, own)
+    if rec.name and terms(rec.name) != [own]:
+        return f"{rec.name}: ", rec.text
+    return "", rec.text
