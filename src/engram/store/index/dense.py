@@ -6,7 +6,9 @@ cache's lock held (but `complete`, which takes it)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,50 @@ def search(slab: Slab, query: Query, vector: np.ndarray, k: int, visible: Visibl
         if hits is not None:
             return hits
     return slab.top(query, vector, k, visible)
+
+
+# Slabs whose first HNSW index a search is building outside the cache's lock (`search_aside`)
+_building: weakref.WeakSet[Slab] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_building.clear)  # a parent's build does not go on here
+BUILD_CHUNK = 50_000  # rows copied and added to the index at a time
+
+
+def search_aside(slab: Slab, lock: threading.Lock, query: Query, vector: np.ndarray, k: int,
+                 visible: Visible, ann_threshold: int,
+                 name: tuple[Any, ...] = ()) -> list[tuple[str, float]]:
+    """`search` for a cache with no files (PostgreSQL), called without `lock`: a large scope's
+    first HNSW index is built outside the lock by the search that needs it first (at 1M keys,
+    minutes), so the searches of other scopes never wait for it, and those of this scope scan
+    exactly meanwhile. Later changes are brought in under the lock, as in `search`."""
+    if k > 0 and slab.n > ann_threshold and ann.available() and slab.ann is None:
+        _build_aside(slab, lock, name)
+    with lock:
+        building = slab.ann is None and slab in _building
+        return search(slab, query, vector, k, visible, slab.n if building else ann_threshold,
+                      None, name)
+
+
+def _build_aside(slab: Slab, lock: threading.Lock, name: tuple[Any, ...]) -> None:
+    """Build the slab's index from its live rows, outside the lock but for reading them: a
+    row killed meanwhile stays in the index (a search filters it by the slab, and the index is
+    built again once a quarter of it is dead), one added is brought in by `follow`."""
+    with lock:
+        if slab.ann is not None or slab in _building:
+            return
+        _building.add(slab)
+        live, mat = slab.live_rows(), slab.mat  # `append` grows a new matrix: this one stays
+        seqs = slab.seqs[live]
+    try:
+        index = ann.Ann(mat.shape[1])
+        for i in range(0, len(live), BUILD_CHUNK):
+            index.add(seqs[i:i + BUILD_CHUNK], mat[live[i:i + BUILD_CHUNK]])
+        log.info("built an ANN index over %d keys of %s", len(index), name)
+        with lock:
+            if slab.ann is None:
+                slab.ann, slab.ann_at = index, -1  # `follow` brings in what changed since
+    finally:
+        with lock:
+            _building.discard(slab)
 
 
 def follow(slab: Slab, path: Path | None, name: tuple[Any, ...] = ()) -> ann.Ann:

@@ -341,10 +341,9 @@ class PostgresStore(SQLStore):
             versions = refresh.versions(self._read(*self._keys.versions()))
             slab = self._cache(query.scope, [key], dim, versions).get(key)
             if slab is not None:
-                with self._slabs_lock:
-                    return dense.search(slab, query, unit(v), k,
-                                        lambda ids: self._visible(query, ids), self.ann_threshold,
-                                        name=self._slab_key(query.scope, key))
+                return dense.search_aside(slab, self._slabs_lock, query, unit(v), k,
+                                          lambda ids: self._visible(query, ids),
+                                          self.ann_threshold, self._slab_key(query.scope, key))
         lit = self._literal(v)
         where, params = r.compile_query(self.dialect, query, self.tenant)
         source = sql.dense_source(dim, where)
@@ -456,10 +455,10 @@ class PostgresStore(SQLStore):
                     elif slab is None:
                         found[key] = self.dense(query, v, k, key)
                     else:
-                        with self._slabs_lock:
-                            found[key] = dense.search(
-                                slab, query, unit(v), k, lambda ids: self._visible(query, ids),
-                                self.ann_threshold, name=self._slab_key(query.scope, key))
+                        found[key] = dense.search_aside(
+                            slab, self._slabs_lock, query, unit(v), k,
+                            lambda ids: self._visible(query, ids), self.ann_threshold,
+                            self._slab_key(query.scope, key))
             if terms:
                 hits = None
                 if follower is not None:
