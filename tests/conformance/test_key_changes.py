@@ -154,3 +154,34 @@ def test_another_stores_one_row_update_reloads_that_row_alone(
         tx.update(replace(records[3], valid_to=NOW - timedelta(minutes=1)))
     assert records[3].id not in {m for m, _ in store.dense(q(U1), vectors[3], 5)}
     assert read[1:] == [[0, 0, 1]]
+
+
+def test_a_database_made_before_the_row_marks_upgrades_in_place(
+        store_factory: StoreFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows written before migration 0009 carry no mark (0): the first change after the upgrade
+    marks its row, and a cache reads that row alone."""
+    from engram.store.postgres import schema as pg_schema
+    from engram.store.sqlite import schema as lite_schema
+
+    where = tmp_path / "old"
+    records = [rec(f"older {i}") for i in range(5)]
+    with monkeypatch.context() as m:
+        for mod in (lite_schema, pg_schema):
+            m.setattr(mod, "MIGRATIONS", [step for step in mod.MIGRATIONS
+                                          if step[0] != "0009_row_changes"])
+        old = store_factory(where)
+        assert "0009_row_changes" not in old.migrations()
+        put(old, *records)
+        old.close()
+    upgraded, other = store_factory(where), store_factory(where)
+    try:
+        assert "0009_row_changes" in upgraded.migrations()
+        slab = Slab(DIM, rich=True)
+        _follow(upgraded, slab)
+        with other.write() as tx:
+            tx.update(replace(records[2], importance=0.8))
+        assert _seqs(_follow(upgraded, slab)[2]) == [int(slab.seqs[2])]
+        assert slab.candidates([records[2].id])[0][records[2].id].importance == 0.8
+    finally:
+        upgraded.close()
+        other.close()
