@@ -608,6 +608,8 @@ def _open(path: Path, args: argparse.Namespace) -> Memory:
     from engram.store.postgres import PostgresStore
 
     limit = {} if args.pg_cache_limit is None else {"cache_limit": args.pg_cache_limit}
+    if args.pg_lexicon_threshold is not None:
+        limit["lexicon_threshold"] = args.pg_lexicon_threshold
     return Memory(store=PostgresStore(args.database_url, tenant=path.stem, **limit))
 
 
@@ -843,6 +845,9 @@ def main() -> None:
                     help="PostgreSQL: the largest scope (keys of one kind) a process caches and "
                          "searches itself; larger ones are searched in the database (default: "
                          "the store's)")
+    ap.add_argument("--pg-lexicon-threshold", type=int,
+                    help="PostgreSQL: a tenant of more memories is ranked lexically in process "
+                         "(default: the store's; a huge number keeps every search on SQL BM25)")
     ap.add_argument("--pg-maintenance-mem", default="4GB",
                     help="PostgreSQL: maintenance_work_mem of the HNSW build after a bulk fill")
     ap.add_argument("--pg-shared-buffers", default="2GB",

@@ -173,7 +173,7 @@ def test_another_writer_is_seen_by_the_next_search(url: str) -> None:
         assert reader.lexical(q, ["airship"], 5) == []
         f = held(reader)
         assert f is None or f.lexicon is None or new.id not in f.lexicon.ids
-        reader._lexicons._builds.drain()
+        reader.wait_for_saves()
         assert held(reader) is not None and held(reader).lexicon is not None  # type: ignore[union-attr]
         assert new.id not in held(reader).lexicon.ids  # type: ignore[union-attr]
         check(reader, rng, 8)
@@ -245,7 +245,7 @@ def test_a_lexicon_past_the_log_horizon_is_built_again(pg_server: Any, url: str)
         (entries,), = writer._read("SELECT count(*) FROM lex_log")
         assert horizon > f.position and entries <= 30
         assert check(reader, rng, 5) > 0  # the statement answered meanwhile, with equal scores
-        reader._lexicons._builds.drain()
+        reader.wait_for_saves()
         f = held(reader)
         assert f is not None and f.lexicon is not None and f.lexicon is not before
         assert f.position >= horizon and f.size == 70

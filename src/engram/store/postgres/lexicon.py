@@ -43,6 +43,10 @@ class Lexicons:
         self._scopes: dict[tuple[str | None, ...], list[str]] = {}
         self._builds = Threads(1, "engram-pg-lexicon")
 
+    def wait(self) -> None:
+        """Until the builds started so far are done."""
+        self._builds.drain()
+
     def close(self) -> None:
         self._builds.close()
         with self._lock:

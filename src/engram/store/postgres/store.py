@@ -670,6 +670,11 @@ class PostgresStore(SQLStore):
         finds none): True once it holds one, False if the tenant is small."""
         return self._lexicons.build(self.tenant, self._lexicon_source)
 
+    def wait_for_saves(self) -> None:
+        """Wait until the background cache work asked for so far is done (the lexicons being
+        built), as the SQLite store's method of that name does for its files."""
+        self._lexicons.wait()
+
     def _lexicon_source(self) -> LexicalChanges | None:
         """Every document of the tenant, or None if it holds at most `lexicon_threshold`."""
         (n,), = self._read(*sql.lex_rows(self.tenant))
