@@ -19,6 +19,7 @@ from engram.pipeline.retrieve import (
     _stretch,
     announces_change,
     asks_past,
+    asks_span,
     asks_when,
     mentions_time,
     named_speakers,
@@ -202,7 +203,7 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         add("session", cfg.session_weight * _stretch(best, min_range=cfg.min_session_range)[unit])
 
     order = _order(ids, score)
-    if cfg.newer_page and present and n:
+    if cfg.newer_page and present and n and not asks_span(query):
         top = [ids[i] for i in order[:cfg.newer_page]]
         on_page = dict(zip(top, score[order[:cfg.newer_page]].tolist(), strict=True))
         # about the question: not the farthest in meaning (dense 0 is the pool's least similar,

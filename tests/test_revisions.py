@@ -108,3 +108,17 @@ def test_a_value_changed_later_in_the_same_session_comes_first(mem: Memory) -> N
     hits = mem.search("How long are my daily vocal warm-ups?", user_id="u", limit=4)
     assert hits[0].memory.text == "I've extended my daily vocal warm-ups to 20 minutes."
     assert hits[0].explain["newer"] > 0
+
+
+def test_a_question_about_a_span_between_events_lifts_no_newer_statement(mem: Memory) -> None:
+    """'How many days between ...' is about each event as told at its time: a newer statement
+    revises none of them, so none is lifted (asks_span)."""
+    for text, at in (("My dentist appointment is on June 3.", JAN),
+                     ("The dentist moved my appointment to June 10.", MAY)):
+        mem.add([{"role": "user", "name": "Tom", "content": text}], user_id="u", session_id=text,
+                observed_at=at, infer=False)
+    hits = mem.search("When is my dentist appointment?", user_id="u", limit=2)
+    assert hits[0].explain.get("newer", 0) > 0  # a question about now: the move comes first
+    hits = mem.search("How many days are there between my dentist appointment and my birthday?",
+                      user_id="u", limit=2)
+    assert not any("newer" in h.explain for h in hits)

@@ -354,6 +354,19 @@ def asks_past(query: str) -> bool:
     return bool(_PAST_QUESTION.search(query))
 
 
+_SPAN_QUESTION = re.compile(
+    r"\b(between|order in which|in (what|which) order|from when|how many (days|weeks|months|"
+    r"years)\b.*\b(until|till|since|from|before|after|by))\b", re.IGNORECASE)
+
+
+def asks_span(query: str) -> bool:
+    """Does the question ask about the span or the order of several events ("How many days
+    between the deadline and the review?", "In what order did I mention...")? It is about
+    each of their statements, told at its own time: a newer one revises none of them, and
+    newest-wins does not apply."""
+    return bool(_SPAN_QUESTION.search(query))
+
+
 @lru_cache(maxsize=100_000)
 def announces_change(text: str) -> bool:
     """Does the text say that something changed ("now", "instead", "actually", "moved",
@@ -638,7 +651,7 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         score = score + added["session"][0]
 
     order = _order(ids, score, upto)
-    if cfg.newer_page and present and n:
+    if cfg.newer_page and present and n and not asks_span(query):
         top = [ids[i] for i in order[:cfg.newer_page]]
         on_page = dict(zip(top, score[order[:cfg.newer_page]].tolist(), strict=True))
         # about the question: not the farthest in meaning (dense 0 is the pool's least similar,
