@@ -253,3 +253,29 @@ def test_a_lexicon_past_the_log_horizon_is_built_again(pg_server: Any, url: str)
     finally:
         reader.close()
         writer.close()
+
+
+def test_a_forked_child_searches_without_the_parents_lexicon(store: PostgresStore) -> None:
+    """A lock a parent's thread holds at the fork (here the lexicon's own) is never released
+    in the child: the child starts with no lexicon, and the statement answers it."""
+    import os
+    import signal
+
+    fill(store, 100, random.Random(2))  # type: ignore[arg-type]
+    assert store.build_lexicon()
+    q = Query(scope=SCOPES[0], now=NOW)
+    want = [s for _, s in store.lexical(q, ["ramen", "lisbon"], 5)]
+    f = held(store)
+    assert f is not None and want
+    with f.lock:
+        pid = os.fork()
+        if pid == 0:  # the child
+            code = 1
+            try:
+                signal.alarm(30)  # a hang ends the child, not the test run
+                got = [s for _, s in store.lexical(q, ["ramen", "lisbon"], 5)]
+                code = 0 if got == pytest.approx(want, abs=1e-9, rel=0) else 2
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -13,6 +13,7 @@ tenants together hold at most `rows` documents; the least recently searched go f
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -42,6 +43,16 @@ class Lexicons:
         self._small: dict[str, float] = {}  # tenant: when to count its documents again
         self._scopes: dict[tuple[str | None, ...], list[str]] = {}
         self._builds = Threads(1, "engram-pg-lexicon")
+        self._pid = os.getpid()
+
+    def _forked(self) -> None:
+        """A forked child starts with no lexicon: a parent's thread may have held a lock (its
+        lock, a follower's) at the fork, and would never release it here."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            self._followers = OrderedDict()
+            self._building = set()
 
     def wait(self) -> None:
         """Until the builds started so far are done."""
@@ -61,6 +72,7 @@ class Lexicons:
         """The tenant's follower if it holds a lexicon; else None (SQL answers), after starting
         its build (`build`: every document, or None if the tenant is small) unless one runs or
         the tenant was found small lately."""
+        self._forked()
         with self._lock:
             f = self._followers.get(tenant)
             if f is not None:
