@@ -12,11 +12,12 @@ the whole set of documents instead, and the follower starts again from them.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from ..bm25 import Tokenizer
-from .lexicon import MAX_DEAD, Lexicon
+from .lexicon import BATCH, MAX_DEAD, Lexicon
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class LexicalChanges:
     since: int
     position: int
     changed: Sequence[str] = ()
-    documents: Sequence[LexicalDocument] = ()
+    documents: Iterable[LexicalDocument] = ()  # read once (a whole set may come in batches)
     whole: bool = False
 
 
@@ -86,10 +87,23 @@ class LexicalFollower:
             # a re-read of a change already applied (lex.version > since) is the same document
             lex.remove([self._rids[i] for i in changes.changed if i in self._rids])
         rids = self._rids
-        lex.add_tokens([(rids.setdefault(d.id, len(rids)), d.id, d.body, d.context, d.scope)
-                        for d in changes.documents])
+        documents = iter(changes.documents)
+        while batch := list(islice(documents, BATCH)):
+            lex.add_tokens([(rids.setdefault(d.id, len(rids)), d.id, d.body, d.context, d.scope)
+                            for d in batch])
         lex.version = changes.position
         return lex
+
+    def take(self, other: LexicalFollower) -> bool:
+        """Hold `other`'s lexicon (built aside, while searches used this one) unless this one
+        is as new; the one not kept is dropped. Call with `lock` held."""
+        if self.lexicon is not None and self.lexicon.version >= other.position:
+            other.drop()
+            return False
+        self.drop()
+        self.lexicon, self._rids = other.lexicon, other._rids
+        other.lexicon, other._rids = None, {}
+        return True
 
     def drop(self) -> None:
         """Forget the lexicon (its memory, its words). Call with `lock` held."""

@@ -17,7 +17,8 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ...model import Scope
@@ -28,6 +29,8 @@ from ..index.follow import LexicalChanges, LexicalDocument, LexicalFollower
 log = logging.getLogger("engram.store")
 
 SMALL_RECHECK_S = 60.0  # a tenant found small is counted again after this long
+# Every document of a tenant, or None if it is small: read while the block runs (in batches)
+Source = Callable[[], AbstractContextManager[LexicalChanges | None]]
 
 
 class Lexicons:
@@ -68,7 +71,7 @@ class Lexicons:
 
     # -- which tenants have one ------------------------------------------------------------------
 
-    def ready(self, tenant: str, build: Callable[[], LexicalChanges | None]) -> LexicalFollower | None:
+    def ready(self, tenant: str, build: Source) -> LexicalFollower | None:
         """The tenant's follower if it holds a lexicon; else None (SQL answers), after starting
         its build (`build`: every document, or None if the tenant is small) unless one runs or
         the tenant was found small lately."""
@@ -84,7 +87,7 @@ class Lexicons:
         self.rebuild(tenant, build)
         return None
 
-    def rebuild(self, tenant: str, build: Callable[[], LexicalChanges | None]) -> None:
+    def rebuild(self, tenant: str, build: Source) -> None:
         """Build the tenant's lexicon on the helper thread (once at a time)."""
         with self._lock:
             if tenant in self._building:
@@ -94,24 +97,24 @@ class Lexicons:
             with self._lock:
                 self._building.discard(tenant)
 
-    def build(self, tenant: str, build: Callable[[], LexicalChanges | None]) -> bool:
+    def build(self, tenant: str, build: Source) -> bool:
         """Build the tenant's lexicon now: True once it holds one, False if it is small."""
         try:
-            changes = build()
-            if changes is None:
+            with build() as changes:
+                if changes is None:
+                    with self._lock:
+                        self._small[tenant] = time.monotonic() + SMALL_RECHECK_S
+                        if len(self._small) > 100_000:
+                            self._small.clear()
+                    return False
                 with self._lock:
-                    self._small[tenant] = time.monotonic() + SMALL_RECHECK_S
-                    if len(self._small) > 100_000:
-                        self._small.clear()
-                return False
-            with self._lock:
-                f = self._followers.setdefault(tenant, LexicalFollower(self._tokenizer))
+                    f = self._followers.setdefault(tenant, LexicalFollower(self._tokenizer))
+                # built aside, then swapped in: searches of the old one do not wait for it
+                fresh = LexicalFollower(self._tokenizer)
+                fresh.apply(changes)
             with f.lock:
-                if f.lexicon is not None and f.lexicon.version >= changes.position:
-                    return True  # a newer one is held: kept (it is not mostly dead then)
-                f.drop()
-                f.apply(changes)
-                log.info("built the lexicon of tenant %r over %d documents", tenant, f.size)
+                if f.take(fresh):
+                    log.info("built the lexicon of tenant %r over %d documents", tenant, f.size)
             self._evict(tenant)
             return True
         except Exception:
@@ -175,10 +178,18 @@ class Lexicons:
                               changed=list(dict.fromkeys(row[3] for row in entries)),
                               documents=[self.document(d) for d in current.values()])
 
-    def whole(self, rows: Sequence[Sequence[Any]]) -> LexicalChanges:
-        """The rows of `sql.lex_documents(tenant)` as every document."""
-        return LexicalChanges(-1, rows[0][0], documents=[self.document(row[1:]) for row in rows
-                                                         if row[1] is not None], whole=True)
+    def whole(self, rows: Iterable[Sequence[Any]]) -> LexicalChanges:
+        """The rows of `sql.lex_documents(tenant)` as every document (read as they are
+        iterated: a cursor's, in batches)."""
+        rows = iter(rows)
+        first = next(rows)
+
+        def documents() -> Iterator[LexicalDocument]:
+            if first[1] is not None:  # else the tenant has none
+                yield self.document(first[1:])
+            for row in rows:
+                yield self.document(row[1:])
+        return LexicalChanges(-1, first[0], documents=documents(), whole=True)
 
     def terms(self, terms: Sequence[str]) -> list[str]:
         """The query terms the SQL statement scores too (a token over 1 KB matches nothing)."""

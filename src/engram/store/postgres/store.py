@@ -16,6 +16,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -31,6 +32,7 @@ from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
 from ..index import dense, refresh
 from ..index.follow import LexicalChanges, LexicalFollower
+from ..index.lexicon import BATCH
 from ..slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
@@ -663,7 +665,18 @@ class PostgresStore(SQLStore):
             changes = self._lexicons.changes(since, self._read(*sql.lex_changes(self.tenant, since)))
             if changes is not None:
                 return changes
-        return self._lexicons.whole(self._read(*sql.lex_documents(self.tenant)))
+        with self._documents() as rows:
+            changes = self._lexicons.whole(rows)
+            return replace(changes, documents=list(changes.documents))
+
+    @contextmanager
+    def _documents(self) -> Iterator[Iterator[Any]]:
+        """The rows of `sql.lex_documents`, from one snapshot, fetched in batches while the
+        block runs (a server-side cursor: a million are never all in memory at once)."""
+        with self._transaction() as conn, conn.cursor(name="engram_lexicon") as cur:
+            cur.itersize = BATCH
+            cur.execute(*sql.lex_documents(self.tenant))
+            yield iter(cur)
 
     def build_lexicon(self) -> bool:
         """Build the tenant's lexicon now (what a search starts on a helper thread when it
@@ -675,10 +688,16 @@ class PostgresStore(SQLStore):
         built), as the SQLite store's method of that name does for its files."""
         self._lexicons.wait()
 
-    def _lexicon_source(self) -> LexicalChanges | None:
-        """Every document of the tenant, or None if it holds at most `lexicon_threshold`."""
+    @contextmanager
+    def _lexicon_source(self) -> Iterator[LexicalChanges | None]:
+        """Every document of the tenant, read while the block runs, or None if it holds at
+        most `lexicon_threshold`."""
         (n,), = self._read(*sql.lex_rows(self.tenant))
-        return None if n <= self._lexicons.threshold else self.lexical_changes(-1)
+        if n <= self._lexicons.threshold:
+            yield None
+            return
+        with self._documents() as rows:
+            yield self._lexicons.whole(rows)
 
     def _lexicon(self) -> LexicalFollower | None:
         """The tenant's lexicon if it has one; never inside a write (its changes may yet roll
