@@ -610,6 +610,8 @@ def _open(path: Path, args: argparse.Namespace) -> Memory:
     limit = {} if args.pg_cache_limit is None else {"cache_limit": args.pg_cache_limit}
     if args.pg_lexicon_threshold is not None:
         limit["lexicon_threshold"] = args.pg_lexicon_threshold
+    if args.pg_statement_timeout is not None:
+        limit["statement_timeout_s"] = args.pg_statement_timeout
     return Memory(store=PostgresStore(args.database_url, tenant=path.stem, **limit))
 
 
@@ -848,6 +850,10 @@ def main() -> None:
     ap.add_argument("--pg-lexicon-threshold", type=int,
                     help="PostgreSQL: a tenant of more memories is ranked lexically in process "
                          "(default: the store's; a huge number keeps every search on SQL BM25)")
+    ap.add_argument("--pg-statement-timeout", type=float,
+                    help="PostgreSQL: the store's statement timeout in seconds (default: the "
+                         "store's, 60; the first search of a 1M scope loads its keys in one "
+                         "statement, which a busy machine runs past it)")
     ap.add_argument("--pg-maintenance-mem", default="4GB",
                     help="PostgreSQL: maintenance_work_mem of the HNSW build after a bulk fill")
     ap.add_argument("--pg-shared-buffers", default="2GB",
