@@ -279,3 +279,32 @@ def test_a_forked_child_searches_without_the_parents_lexicon(store: PostgresStor
                 os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_lexical_changes_since_a_position(store: PostgresStore) -> None:
+    """The primitive itself: every document from -1; past a position, the memories changed
+    and their current documents; after an erasure, every document again."""
+    rng = random.Random(4)
+    recs = fill(store, 10, rng)  # type: ignore[arg-type]
+    first = store.lexical_changes(-1)
+    assert first.whole and sorted(d.id for d in first.documents) == sorted(r.id for r in recs)
+    new = record("a kayak on the Tagus", SCOPES[2], rng)
+    with store.write() as tx:
+        tx.insert(new, [], Lexical(new.text))
+        tx.update(replace(recs[0], text="the ferry to Cacilhas"), None, Lexical("the ferry to Cacilhas"))
+        tx.soft_delete([recs[1].id], NOW)
+    ch = store.lexical_changes(first.position)
+    assert not ch.whole and ch.since == first.position and ch.position == first.position + 3
+    assert set(ch.changed) == {new.id, recs[0].id, recs[1].id}
+    docs = {d.id: d for d in ch.documents}
+    assert set(docs) == {new.id, recs[0].id}  # the deleted one has none
+    assert list(docs[recs[0].id].body) == ["the", "ferri", "to", "cacilha"]
+    assert list(docs[new.id].scope) == [t for o in scope_tokens(SCOPES[2])
+                                        for t in store._tokenizer.phrase(o)]
+    again = store.lexical_changes(ch.position)
+    assert (again.position, list(again.changed), list(again.documents)) == (ch.position, [], [])
+    with store.write() as tx:
+        tx.erase([new.id])
+    after = store.lexical_changes(ch.position)
+    assert after.whole and after.position == ch.position + 1
+    assert new.id not in {d.id for d in after.documents}
