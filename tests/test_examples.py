@@ -18,7 +18,6 @@ import pytest
 
 from docblocks import (
     ROOT,
-    WrongFirstHit,
     check_first_hits,
     expected_first_hits,
     free_port,
@@ -79,9 +78,6 @@ def service(tmp_path: Path) -> Iterator[tuple[str, str]]:
         yield url, key
 
 
-@pytest.mark.xfail(raises=WrongFirstHit, strict=True, reason="'Have a good flight!' outranks 'I am "
-                   "flying to Tokyo on May 3rd.' for 'When is the flight to Tokyo?' (ranking, fixed "
-                   "elsewhere)")
 def test_curl_script_against_the_service(service: tuple[str, str], tmp_path: Path) -> None:
     url, key = service
     code = (EXAMPLES / "service.sh").read_text(encoding="utf-8")

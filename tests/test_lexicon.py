@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from contextlib import closing
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -20,6 +21,7 @@ from engram.filters import parse_filters
 from engram.model import Kind, MemoryRecord, Scope, new_id
 from engram.pipeline.text import content_hash, terms
 from engram.store import Key, Lexical, Query
+from engram.store.bm25 import Tokenizer
 from engram.store.sqlite import SQLiteStore, lexlog
 from engram.store.sqlite import sql as sqlite_sql
 
@@ -65,7 +67,10 @@ def fill(store: SQLiteStore, n: int, rng: random.Random) -> list[MemoryRecord]:
 
 
 def fts5(store: SQLiteStore, q: Query, words: list[str], k: int, w: float) -> list[tuple[str, float]]:
-    return [(row[0], float(row[1])) for row in store._read(*sqlite_sql.lexical(q, words, k, w))]
+    """The statement's path: FTS5 finds the rows and counts the statistics, bm25.py scores."""
+    with closing(Tokenizer()) as tokenizer:
+        return sqlite_sql.lexical_hits(store._read(*sqlite_sql.lexical(q, words)), tokenizer,
+                                       words, k, w)
 
 
 def queries(rng: random.Random, n: int) -> list[list[str]]:

@@ -1,10 +1,11 @@
-"""The SQLite store's lexical index in memory, for large databases: FTS5's `bm25()` without
-scanning FTS5's matches per query.
+"""The SQLite store's lexical index in memory, for large databases: BM25 without scanning
+FTS5's matches per query.
 
 `memory_fts` ranks a search with BM25 over every row a term matches in the scope; at 100k rows
 in one scope that is ~60 ms of CPU per query, and it grows with the scope. This index holds the
-same postings in numpy arrays and computes the very score `bm25(memory_fts, 1.0, w, 0.0)`
-gives (store/bm25.py states the formula and its constants, which both stores share):
+same postings in numpy arrays and computes the score store/bm25.py states (FTS5's BM25 with
+the previous turn weighted, a phrase's IDF from the texts alone and repeats weighing by their
+log; both stores share it):
 
 * documents are the rows of `memory_fts` (every scope: FTS5's N, avgdl and a phrase's IDF count
   the whole table), tokenised by FTS5 itself (an in-memory FTS5 table with the same tokenizer,
@@ -38,7 +39,6 @@ erasure), whose position the log cannot reach, or whose checksum fails is never 
 from __future__ import annotations
 
 import logging
-import math
 import sqlite3
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -48,8 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import cachefile
-from ..bm25 import K1, MIN_IDF, TOKENIZE, B, Tokenizer
+from .. import bm25, cachefile
+from ..bm25 import K1, TOKENIZE, B, Tokenizer
 from ..cachefile import pack, unpack
 
 
@@ -83,6 +83,13 @@ MAGIC = b"engram-lexicon\n\x00"  # the first 16 bytes of a saved index
 FORMAT = 1
 
 log = logging.getLogger("engram.store")
+
+def _tf(counts: np.ndarray, out: np.ndarray) -> None:
+    """`bm25.tf` of each count, into `out`: ln(max(count, 1)) + (1 if count else 0)."""
+    np.maximum(counts, 1.0, out=out)
+    np.log(out, out=out)
+    out += counts > 0
+
 
 def pair_key(a: Any, b: Any) -> Any:
     """The key of two adjacent tokens (ints or int64 arrays): a token id is < 2**31."""
@@ -457,8 +464,8 @@ class Lexicon:
             key = self._phrase_key(p)
             key = -1 if key is None else key
             docs, body, ctx = self._postings(key)
-            value = math.log((self.count - len(docs) + 0.5) / (len(docs) + 0.5))
-            idf = value if value > 0.0 else MIN_IDF
+            # n(p): the documents whose text holds it (bm25.py: not their previous turn's)
+            idf = bm25.idf(self.count, int(np.count_nonzero(body)))
             if scope is not None:
                 keep = scope[docs]
                 docs, body, ctx = docs[keep], body[keep], ctx[keep]
@@ -524,7 +531,7 @@ class Lexicon:
             peak = seg.peak(key, self.lens)
             if peak is not None:
                 body, ctx, shortest = peak
-                f = body + ctx * max(previous_weight, 0.0)
+                f = bm25.tf(body) + bm25.tf(ctx) * max(previous_weight, 0.0)
                 norm = K1 * (1 - B + B * shortest / avgdl)
                 best = max(best, f * (K1 + 1.0) / (f + norm))
         return best
@@ -532,14 +539,14 @@ class Lexicon:
     def _accumulate(self, score: np.ndarray, docs: np.ndarray, body: np.ndarray,
                     ctx: np.ndarray, idf: float, previous_weight: float) -> None:
         """Add a phrase's term to its documents' scores: idf * (f * (K1 + 1) / (f + norm))
-        with f = body + context * previous_weight, in float64, in reused buffers (the same
-        operations, so the same values, whichever documents are scored)."""
+        with f = tf(body) + tf(context) * previous_weight (bm25.py), in float64, in reused
+        buffers (the same operations, so the same values, whichever documents are scored)."""
         if self._tmp.shape[1] < len(docs):
             self._tmp = np.zeros((3, max(len(docs), 2 * self._tmp.shape[1])))
         f, num, den = (t[:len(docs)] for t in self._tmp)
-        np.copyto(f, body)
+        _tf(body, f)
         if previous_weight:
-            np.copyto(num, ctx)
+            _tf(ctx, num)
             num *= previous_weight
             f += num
         np.multiply(f, K1 + 1.0, out=num)

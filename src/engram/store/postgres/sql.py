@@ -489,24 +489,18 @@ def _float(x: float) -> str:
 
 def lexical(tenant: str, query: Query, phrases: Sequence[Phrase], k: int,
             previous_weight: float) -> r.Stmt:
-    """The `k` visible rows best by FTS5's BM25 (see bm25.py) that hold any of `phrases`, each
+    """The `k` visible rows best by BM25 as bm25.py states it that hold any of `phrases`, each
     phrase scored once per time it is given; ties by id. One statement, so the statistics and
     the rows are of one snapshot. The tsquery finds the rows with the key terms of a phrase
     (exact for one or two tokens); a row where a longer phrase's pairs are not in order
     is then left out."""
     distinct = list(dict.fromkeys(phrases))
     slot = {p: i for i, p in enumerate(distinct)}
-    hits, hparams = [], []  # rows of the tenant holding each phrase
+    hits, hparams = [], []  # rows of the tenant whose text holds each phrase
     for i, p in enumerate(distinct):
-        if len(p) <= 2:
-            hits.append(f"coalesce((SELECT t.df FROM lex_terms t WHERE t.tenant = %s "
-                        f"AND t.term = %s), 0)::float8 AS d{i}")
-            hparams += [tenant, bm25.keys(p)[0]]
-        else:
-            pat = bm25.tagged(p)
-            hits.append("(SELECT count(*) FROM memories x WHERE x.tenant = %s AND x.lex @@ %s::tsquery "
-                        f"AND (strpos(x.lex_body, %s) > 0 OR strpos(x.lex_context, %s) > 0))::float8 AS d{i}")
-            hparams += [tenant, tsquery([p]), pat, pat]
+        hits.append("(SELECT count(*) FROM memories x WHERE x.tenant = %s AND x.lex @@ %s::tsquery "
+                    f"AND strpos(x.lex_body, %s) > 0)::float8 AS d{i}")
+        hparams += [tenant, tsquery([p]), bm25.tagged(p)]
     half, floor = _float(0.5), _float(bm25.MIN_IDF)
     idfs = [f"CASE WHEN ln((c.n - c.d{i} + {half}) / (c.d{i} + {half})) > 0 "
             f"THEN ln((c.n - c.d{i} + {half}) / (c.d{i} + {half})) ELSE {floor} END AS i{i}"
@@ -517,13 +511,16 @@ def lexical(tenant: str, query: Query, phrases: Sequence[Phrase], k: int,
             expr, params = _occurrences(col, p)
             counts.append(f"{expr} AS {name}{i}")
             cparams += params
-    # fts5_aux.c: idf * (f * (k1 + 1)) / (f + k1 * (1 - b + b * D / avgdl)), summed in order,
-    # f = occurrences weighted by column
+    # idf * (f * (k1 + 1)) / (f + k1 * (1 - b + b * D / avgdl)), summed in order, f = each
+    # column's tf (1 + ln of its occurrences, 0 for none) weighted by column
     k1p1, k1, omb, b = (_float(v) for v in (bm25.K1 + 1.0, bm25.K1, 1 - bm25.B, bm25.B))
     norm = f"{k1} * ({omb} + {b} * x.len / w.avgdl)"
 
+    def tf(count: str) -> str:
+        return f"(CASE WHEN {count} > 0 THEN 1::float8 + ln({count}) ELSE 0::float8 END)"
+
     def term(i: int) -> str:
-        f = f"(x.b{i} + w.pw * x.c{i})"
+        f = f"({tf(f'x.b{i}')} + w.pw * {tf(f'x.c{i}')})"
         return f"w.i{i} * (({f} * {k1p1}) / ({f} + {norm}))"
 
     score = " + ".join(term(slot[p]) for p in phrases)

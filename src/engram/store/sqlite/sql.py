@@ -13,6 +13,7 @@ import numpy as np
 
 from ...filters import RECORD_FIELDS, Condition
 from ...model import MemoryRecord, Scope
+from .. import bm25
 from .. import records as r
 from ..base import Query
 
@@ -94,16 +95,31 @@ def fts_rows(rids: Sequence[int] | None = None) -> r.Stmt:
     return f"{sel} WHERE f.rowid IN ({DIALECT.marks(len(rids))})", list(rids)
 
 
-def fts_row_count(block: bytes | None) -> int:
-    """The rows FTS5 holds, from its averages record (a SQLite varint)."""
-    value = 0
-    for i, byte in enumerate(block or b""):
+def _varints(block: bytes) -> list[int]:
+    """The SQLite varints a record is made of."""
+    out, value, i = [], 0, 0
+    for byte in block:
         if i == 8:
-            return (value << 8) | byte
-        value = (value << 7) | (byte & 0x7F)
+            out.append((value << 8) | byte)
+            value, i = 0, 0
+            continue
+        value, i = (value << 7) | (byte & 0x7F), i + 1
         if byte < 0x80:
-            break
-    return value
+            out.append(value)
+            value, i = 0, 0
+    return out
+
+
+def fts_row_count(block: bytes | None) -> int:
+    """The rows FTS5 holds, from its averages record."""
+    return fts_averages(block)[0]
+
+
+def fts_averages(block: bytes | None) -> tuple[int, int]:
+    """The rows FTS5 holds and their tokens (every column's), from its averages record: the
+    row count, then each column's total."""
+    values = _varints(block or b"")
+    return (values[0], sum(values[1:])) if values else (0, 0)
 
 
 def visible_ids(query: Query, ids: Sequence[str]) -> r.Stmt:
@@ -115,18 +131,44 @@ def visible_ids(query: Query, ids: Sequence[str]) -> r.Stmt:
             f"WHERE {where}", [_dumps(list(ids)), *params])
 
 
-def lexical(query: Query, terms: Sequence[str], k: int, previous_weight: float) -> r.Stmt:
-    """BM25 over the body and (weighted by `previous_weight`) the previous turn. The scope's
-    owner tokens go into the MATCH, so the index intersects with the scope itself instead of
-    scoring every tenant's matches; each term is quoted, so FTS syntax in it is data."""
-    match = "(" + " OR ".join('"' + t.replace('"', '""') + '"' for t in terms) + ")"
+def _quoted(term: str) -> str:
+    """A query term as an FTS5 phrase: quoted, so FTS syntax in it is data."""
+    return '"' + term.replace('"', '""') + '"'
+
+
+def lexical(query: Query, terms: Sequence[str]) -> r.Stmt:
+    """The rows of the scope that `query` may see and any term matches (in the text or the
+    previous turn), with what their BM25 score is made of (store/bm25.py, scored by
+    `lexical_hits`): FTS5's averages record (its rows and their tokens) and, per term, the rows
+    whose text holds it. The scope's owner tokens go into the MATCH, so the index intersects
+    with the scope itself instead of reading every tenant's matches. One statement: one
+    snapshot of the rows and the statistics."""
+    match = "(" + " OR ".join(map(_quoted, terms)) + ")"
     owners = owner_tokens(query.scope)
     if owners:
         match = " AND ".join([*(f'owner : "{o}"' for o in owners), match])
     where, params = r.compile_query(DIALECT, query, "")
-    return ("SELECT m.id, -bm25(memory_fts, 1.0, ?, 0.0) AS s FROM memory_fts "
-            f"JOIN memories m ON m.rid = memory_fts.rowid WHERE memory_fts MATCH ? AND {where} "
-            "ORDER BY s DESC LIMIT ?", [previous_weight, match, *params, k])
+    distinct = list(dict.fromkeys(terms))
+    hits = ", ".join("(SELECT count(*) FROM memory_fts WHERE memory_fts MATCH ?)" for _ in distinct)
+    return (f"SELECT m.id, memory_fts.body, memory_fts.context, memory_fts.owner, "
+            f"(SELECT block FROM memory_fts_data WHERE id = 1), {hits} FROM memory_fts "
+            f"JOIN memories m ON m.rid = memory_fts.rowid WHERE memory_fts MATCH ? AND {where}",
+            [*(f"body : {_quoted(t)}" for t in distinct), match, *params])
+
+
+def lexical_hits(rows: Sequence[Sequence[Any]], tokenizer: bm25.Tokenizer, terms: Sequence[str],
+                 k: int, previous_weight: float) -> list[tuple[str, float]]:
+    """The best `k` of `lexical`'s rows by BM25, as the in-memory index scores them."""
+    if not rows:
+        return []
+    distinct = list(dict.fromkeys(terms))
+    phrase = {t: tokenizer.phrase(t) for t in distinct}
+    count, tokens = fts_averages(rows[0][4])
+    hits = {phrase[t]: rows[0][5 + i] for i, t in enumerate(distinct)}
+    docs = ((mid, *tokenizer.tokens(body, context), len(owner.split()))
+            for mid, body, context, owner, *_ in rows)
+    return bm25.best(docs, [phrase[t] for t in terms if phrase[t]], hits, count, tokens / count,
+                     k, previous_weight)
 
 
 # -- the dense cache's reads (see slab.py) ------------------------------------------------------------

@@ -18,7 +18,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import wait
-from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, closing, contextmanager, nullcontext, suppress
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -32,6 +32,7 @@ from ...threads import Threads
 from .. import cachefile
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Seen, Select
+from ..bm25 import Tokenizer
 from ..index import ann, dense, lexicon, refresh
 from ..index.lexicon import MAX_DEAD, Lexicon
 from ..slab import Slab, evict, unit
@@ -537,8 +538,9 @@ class SQLiteStore(SQLStore):
                 return hits
             if lex is not None:
                 log.debug("lexical: a phrase of three tokens or more, FTS5 answers")
-        return [(row[0], float(row[1]))
-                for row in self._read(*sql.lexical(query, terms, k, previous_weight))]
+        rows = self._read(*sql.lexical(query, terms))
+        with closing(Tokenizer()) as tokenizer:  # per search: writes, long phrases, small files
+            return sql.lexical_hits(rows, tokenizer, terms, k, previous_weight)
 
     def _lexicon(self) -> Lexicon | None:
         """The in-memory lexical index, brought up to date with `lex_log`; None while the
