@@ -18,6 +18,7 @@ from engram.model import Scope
 from engram.store.index import ann, dense
 from engram.store.postgres import PostgresStore
 from engram.store.slab import Slab
+from engram.threads import Threads
 
 DIM = 16
 
@@ -61,6 +62,11 @@ def test_a_scope_above_the_ann_threshold_is_searched_in_process(
         records = [rec(f"item {i}") for i in range(300)]
         put(writer, *records, vectors=list(vectors))
         monkeypatch.setattr(PostgresStore, "_batch", recorded)
+        # the first search scans exactly while the index is built aside
+        got, want = _search(store, vectors[0]), _search(tables, vectors[0])
+        assert [m for m, _ in got] == [m for m, _ in want]
+        assert np.allclose([s for _, s in got], [s for _, s in want], atol=1e-5)
+        store.wait_for_saves()
         for i in (0, 17, 123, 299):
             got, want = dict(_search(store, vectors[i])), dict(_search(tables, vectors[i]))
             # approximate: the exact scan's best first, and (nearly) its ten, scored exactly
@@ -98,10 +104,11 @@ def test_the_cache_limit_defaults_to_the_cache_rows(db: str) -> None:
 
 
 @pytest.mark.skipif(not ann.available(), reason="the `ann` extra (usearch) is not installed")
-def test_a_first_index_is_built_outside_the_caches_lock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """While one search builds a scope's first HNSW index (minutes at 1M keys), the cache's
-    lock is free: another search of the scope answers by an exact scan meanwhile; once built,
-    the index brings in the rows added during the build and answers."""
+def test_an_index_is_built_aside_while_searches_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No search waits for a scope's HNSW index (minutes at 1M keys): the first one asks for
+    it to be built on a background thread and scans exactly, as do the next ones while it is
+    built, with the cache's lock free; once built, the index brings in the rows added during
+    the build and answers."""
     slab = Slab(DIM, rich=False)
     vectors = _vectors(400, 3)
     attrs = [("episodic", None, None, None)] * 100  # kind, expiry, validity
@@ -117,21 +124,26 @@ def test_a_first_index_is_built_outside_the_caches_lock(monkeypatch: pytest.Monk
         add(self, seqs, vecs)
 
     monkeypatch.setattr(ann.Ann, "add", slow)
+    builds = Threads(1, "test-ann")
     query = q(Scope("u1"))
-    first: list[list[tuple[str, float]]] = []
-    builder = threading.Thread(target=lambda: first.append(dense.search_aside(
-        slab, lock, query, vectors[5], 5, lambda ids: set(ids), 100)))
-    builder.start()
-    assert started.wait(30)
-    exact = slab.top(query, vectors[7], 5, lambda ids: set(ids))
-    assert dense.search_aside(slab, lock, query, vectors[7], 5, lambda ids: set(ids), 100) == exact
-    assert slab.ann is None
-    with lock:  # rows added while it builds
-        slab.append(list(range(301, 401)), [f"m{i}" for i in range(300, 400)], vectors[300:],
-                    attrs)
-    release.set()
-    builder.join(30)
-    assert first and first[0][0][0] == "m5"
-    assert dense.search_aside(slab, lock, query, vectors[350], 5, lambda ids: set(ids),
-                              100)[0][0] == "m350"
-    assert slab.ann is not None and len(slab.ann) == 400
+
+    def search(i: int) -> list[tuple[str, float]]:
+        return dense.search_aside(slab, lock, query, vectors[i], 5, lambda ids: set(ids), 100,
+                                  ("u1",), builds.submit)
+
+    try:
+        assert search(5) == slab.top(query, vectors[5], 5, lambda ids: set(ids))
+        assert started.wait(30)
+        assert search(7) == slab.top(query, vectors[7], 5, lambda ids: set(ids))
+        assert slab.ann is None
+        with lock:  # rows added while it builds
+            slab.append(list(range(301, 401)), [f"m{i}" for i in range(300, 400)],
+                        vectors[300:], attrs)
+        release.set()
+        builds.drain()
+        assert slab.ann is not None
+        assert search(350)[0][0] == "m350"
+        assert len(slab.ann) == 400  # the rows added meanwhile, brought in
+    finally:
+        release.set()
+        builds.close()

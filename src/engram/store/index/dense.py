@@ -45,31 +45,36 @@ BUILD_CHUNK = 50_000  # rows copied and added to the index at a time
 
 
 def search_aside(slab: Slab, lock: threading.Lock, query: Query, vector: np.ndarray, k: int,
-                 visible: Visible, ann_threshold: int,
-                 name: tuple[Any, ...] = ()) -> list[tuple[str, float]]:
+                 visible: Visible, ann_threshold: int, name: tuple[Any, ...],
+                 build: Callable[[Callable[[], None]], object]) -> list[tuple[str, float]]:
     """`search` for a cache with no files (PostgreSQL), called without `lock`: a large scope's
-    first HNSW index is built outside the lock by the search that needs it first (at 1M keys,
-    minutes), so the searches of other scopes never wait for it, and those of this scope scan
-    exactly meanwhile. Later changes are brought in under the lock, as in `search`."""
-    if k > 0 and slab.n > ann_threshold and ann.available() and slab.ann is None:
-        _build_aside(slab, lock, name)
+    HNSW index is built by `build` (which runs a job on a background thread; None: it will
+    not), outside the lock (at 1M keys, minutes), while the scope's searches scan exactly;
+    no search waits for a build, nor does any other scope's. Once built, later changes are
+    brought in under the lock, as in `search`."""
+    large = k > 0 and slab.n > ann_threshold and ann.available()
     with lock:
-        building = slab.ann is None and slab in _building
-        return search(slab, query, vector, k, visible, slab.n if building else ann_threshold,
-                      None, name)
+        if large and slab.ann is not None and _mostly_dead(slab, slab.ann):
+            slab.ann = None  # built again aside, not in `follow` under the lock
+        start = large and slab.ann is None and slab not in _building
+        if start:
+            _building.add(slab)
+    if start and build(lambda: _build_aside(slab, lock, name)) is None:
+        with lock:
+            _building.discard(slab)
+    with lock:
+        return search(slab, query, vector, k, visible,
+                      slab.n if slab.ann is None else ann_threshold, None, name)
 
 
 def _build_aside(slab: Slab, lock: threading.Lock, name: tuple[Any, ...]) -> None:
     """Build the slab's index from its live rows, outside the lock but for reading them: a
     row killed meanwhile stays in the index (a search filters it by the slab, and the index is
     built again once a quarter of it is dead), one added is brought in by `follow`."""
-    with lock:
-        if slab.ann is not None or slab in _building:
-            return
-        _building.add(slab)
-        live, mat = slab.live_rows(), slab.mat  # `append` grows a new matrix: this one stays
-        seqs = slab.seqs[live]
     try:
+        with lock:
+            live, mat = slab.live_rows(), slab.mat  # `append` grows a new matrix: this one stays
+            seqs = slab.seqs[live]
         index = ann.Ann(mat.shape[1])
         for i in range(0, len(live), BUILD_CHUNK):
             index.add(seqs[i:i + BUILD_CHUNK], mat[live[i:i + BUILD_CHUNK]])
@@ -82,6 +87,13 @@ def _build_aside(slab: Slab, lock: threading.Lock, name: tuple[Any, ...]) -> Non
             _building.discard(slab)
 
 
+def _mostly_dead(slab: Slab, index: ann.Ann) -> bool:
+    """Whether more than MAX_DEAD of the index's keys are no longer live rows of the slab."""
+    live = slab.live_rows()
+    indexed = int(np.count_nonzero(slab.seqs[live] <= index.max_seq))
+    return len(index) - indexed > ann.MAX_DEAD * len(index)
+
+
 def follow(slab: Slab, path: Path | None, name: tuple[Any, ...] = ()) -> ann.Ann:
     """The slab's HNSW index, loaded from `path` or built from the live rows, with the rows
     added since; built again once a quarter of it is dead."""
@@ -90,9 +102,8 @@ def follow(slab: Slab, path: Path | None, name: tuple[Any, ...] = ()) -> ann.Ann
         return index  # no row changed since it was brought up to date
     live = slab.live_rows()
     if index is not None:
-        indexed = int(np.count_nonzero(slab.seqs[live] <= index.max_seq))
-        if len(index) - indexed > ann.MAX_DEAD * len(index):
-            index = None  # mostly dead: rebuild
+        if _mostly_dead(slab, index):
+            index = None  # rebuild
     elif path is not None:
         index = ann.Ann.load(path, slab.mat.shape[1])
     if index is None:

@@ -112,6 +112,8 @@ class PostgresStore(SQLStore):
         # a search's large-scope dense keys, queried beside its first round trip (shared by
         # a process's stores of every tenant: for_tenant)
         self._sides = Threads(2, "engram-pg-search")
+        # large scopes' HNSW indexes of the dense cache, built off the searches (index/dense.py)
+        self._ann_builds = Threads(1, "engram-pg-ann")
         self._to_vacuum: set[str] = set()
         self._closed = False
         self._tokenizer = bm25.Tokenizer()  # shared with the stores of other tenants (for_tenant)
@@ -293,9 +295,15 @@ class PostgresStore(SQLStore):
                 self._builds.close()
                 self._lexicons.close()
                 self._sides.close()
+                self._ann_builds.close()
                 self._tokenizer.close()
                 with self._slabs_lock:
                     self._slabs.clear()
+
+    def wait_for_saves(self) -> None:
+        """Wait until the dense cache's index builds asked for so far are done (as the SQLite
+        store's method of this name waits for its background work)."""
+        self._ann_builds.drain()
 
     def build_index(self, dim: int) -> bool:
         """Build the HNSW index of the keys of `dim` dimensions now, if it has no valid one
@@ -345,7 +353,8 @@ class PostgresStore(SQLStore):
             if slab is not None:
                 return dense.search_aside(slab, self._slabs_lock, query, unit(v), k,
                                           lambda ids: self._visible(query, ids),
-                                          self.ann_threshold, self._slab_key(query.scope, key))
+                                          self.ann_threshold, self._slab_key(query.scope, key),
+                                          self._ann_builds.submit)
         lit = self._literal(v)
         where, params = r.compile_query(self.dialect, query, self.tenant)
         source = sql.dense_source(dim, where)
@@ -460,7 +469,7 @@ class PostgresStore(SQLStore):
                         found[key] = dense.search_aside(
                             slab, self._slabs_lock, query, unit(v), k,
                             lambda ids: self._visible(query, ids), self.ann_threshold,
-                            self._slab_key(query.scope, key))
+                            self._slab_key(query.scope, key), self._ann_builds.submit)
             if terms:
                 hits = None
                 if follower is not None:
