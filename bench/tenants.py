@@ -258,7 +258,7 @@ def library_face(args: argparse.Namespace, url: str, pool: np.ndarray) -> dict[s
         out["rss_mb_warm"] = rss_bytes() / 1e6
         out["held_warm"] = held(tenants)
         out["connections_warm"] = connections(url)
-        n = args.rounds * len(names)
+        n = args.timed or args.rounds * len(names)
         print(f"library: {n} requests round-robin, an add every {args.add_every}",
               file=sys.stderr)
         out["timed"] = drive(lambda i: ops(i, adds=True), n, args.threads)
@@ -414,6 +414,8 @@ def main() -> None:
     ap.add_argument("--per-user", type=int, default=5, help="memories per user at the start")
     ap.add_argument("--rounds", type=int, default=2,
                     help="library: timed passes over every tenant after the warm-up pass")
+    ap.add_argument("--timed", type=int, default=0,
+                    help="library: timed requests (0: --rounds passes over every tenant)")
     ap.add_argument("--add-every", type=int, default=5,
                     help="every Nth timed request is an add, the others searches")
     ap.add_argument("--threads", type=int, default=4, help="concurrent requests")
