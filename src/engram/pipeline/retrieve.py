@@ -66,10 +66,11 @@ class RetrievalConfig:
     # 1 - length / context_chars (0 at that length and past it); 0 turns the scaling off.
     context_chars: int = 0
     # The same for the lexical side: the store's BM25 counts the previous turn in a turn's
-    # match (at `previous_weight`) and in its length, and counts every repetition of a word
-    # (code repeats its names). A message of `previous_chars` characters or more is matched by
-    # its own words alone: BM25 over the distinct content words of the candidates' texts
-    # (`own_words`), mixed with the store's score as 1 - length / previous_chars; 0: off.
+    # match (at `previous_weight`) and in its length (a short reply needs it: docs/lexicon.md,
+    # "The score"), so a message after a long one is measured with it. A message of
+    # `previous_chars` characters or more is matched by its own words alone: BM25 over the
+    # distinct content words of the candidates' texts (`own_words`), mixed with the store's
+    # score as 1 - length / previous_chars; 0: off.
     previous_chars: int = 0
 
     def __post_init__(self) -> None:
