@@ -300,11 +300,6 @@ class PostgresStore(SQLStore):
                 with self._slabs_lock:
                     self._slabs.clear()
 
-    def wait_for_saves(self) -> None:
-        """Wait until the dense cache's index builds asked for so far are done (as the SQLite
-        store's method of this name waits for its background work)."""
-        self._ann_builds.drain()
-
     def build_index(self, dim: int) -> bool:
         """Build the HNSW index of the keys of `dim` dimensions now, if it has no valid one
         (what a search starts in the background once it needs it, ann.py): True once it has
@@ -694,8 +689,10 @@ class PostgresStore(SQLStore):
 
     def wait_for_saves(self) -> None:
         """Wait until the background cache work asked for so far is done (the lexicons being
-        built), as the SQLite store's method of that name does for its files."""
+        built, the dense cache's HNSW indexes), as the SQLite store's method of that name does
+        for its files."""
         self._lexicons.wait()
+        self._ann_builds.drain()
 
     @contextmanager
     def _lexicon_source(self) -> Iterator[LexicalChanges | None]:
