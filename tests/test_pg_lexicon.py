@@ -308,3 +308,31 @@ def test_lexical_changes_since_a_position(store: PostgresStore) -> None:
     after = store.lexical_changes(ch.position)
     assert after.whole and after.position == ch.position + 1
     assert new.id not in {d.id for d in after.documents}
+
+
+def test_a_warm_search_with_the_lexicon_still_makes_two_round_trips(
+        url: str, embedder: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The log's new entries ride in the first round trip instead of the BM25 statement, and
+    visibility comes from the cached text keys: no round trip is added."""
+    from engram import Config, Memory
+
+    config = Config.from_env(database_url=url, path=tmp_path / "unused.db", pg_lexicon_threshold=0)
+    with Memory(config=config, embedder=embedder) as mem:
+        mem.add(["Ana moved to Lisbon in May.", "Ben plays the cello.", "Ana likes jazz."],
+                user_id="ana", infer=False)
+        mem.search("where does Ana live?", user_id="ana")  # loads the caches, starts the build
+        mem.store.wait_for_saves()  # type: ignore[attr-defined]
+        mem.search("where does Ana live?", user_id="ana")
+        calls: list[int] = []
+        real = PostgresStore._batch
+        statements: list[int] = []
+        real_lexical = sql.lexical
+
+        def counted(self: PostgresStore, stmts: Any, **kw: Any) -> Any:
+            calls.append(len(stmts))
+            return real(self, stmts, **kw)
+        monkeypatch.setattr(PostgresStore, "_batch", counted)
+        monkeypatch.setattr(sql, "lexical", lambda *a: statements.append(1) or real_lexical(*a))
+        hits = mem.search("where does Ana live?", user_id="ana")
+        assert hits[0].memory.text == "Ana moved to Lisbon in May."
+        assert len(calls) == 2 and not statements
