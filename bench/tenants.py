@@ -176,7 +176,10 @@ def held(tenants: Any) -> dict[str, Any]:
     turns = getattr(getattr(base, "_turns", None), "_turns", None)
     if turns is not None:
         out["store._turns._turns"] = len(turns)
-    slabs = list(getattr(base, "_slabs", {}).values())
+    if not hasattr(base, "_slabs"):
+        out["slabs"] = "not found: the dense cache moved (update held())"
+        return out
+    slabs = list(base._slabs.values())
     out["slab rows"] = sum(s.n for s in slabs)
     out["slab capacity rows"] = sum(len(s.seqs) for s in slabs)
     out["slab MB (numpy, allocated)"] = sum(
