@@ -28,7 +28,7 @@ from ..errors import StoreUnavailable
 from ..providers.embedders import Embedder, choose, get_embedder
 from ..store import Stores
 
-OPEN_TENANTS = 16_384  # tenants a node keeps open on PostgreSQL (each `Memory` ~16 KB)
+OPEN_TENANTS = 16_384  # tenants a node keeps open on PostgreSQL (each `Memory` ~6 KB)
 CHUNK = 32  # texts embedded per turn: ~0.1-0.3 s of MiniLM on a 2-core machine
 EMBED_SLOTS = 2  # turns at the embedder at once
 
