@@ -12,7 +12,7 @@ import pytest
 
 from engram import Memory
 from engram.providers.embedders import MiniLM
-from engram.store.slab import Slab, evict
+from engram.store.index.slab import Slab, evict
 
 
 def _slab(n: int) -> Slab:

@@ -16,8 +16,8 @@ from conformance.test_store import NOW, put, q, rec
 from engram import Config
 from engram.model import Scope
 from engram.store.index import ann, dense
+from engram.store.index.slab import Slab
 from engram.store.postgres import PostgresStore
-from engram.store.slab import Slab
 from engram.threads import Threads
 
 DIM = 16

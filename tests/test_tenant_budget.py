@@ -10,7 +10,7 @@ import numpy as np
 
 from engram import Memory
 from engram.providers.embedders import MiniLM
-from engram.store.slab import Slab
+from engram.store.index.slab import Slab
 
 
 def _allocated(slab: Slab) -> int:

@@ -17,7 +17,7 @@ import pytest
 from engram.model import Scope
 from engram.store import Store
 from engram.store.index import refresh
-from engram.store.slab import Slab
+from engram.store.index.slab import Slab
 
 from .test_store import DIM, NOW, U1, put, q, rec, vec
 

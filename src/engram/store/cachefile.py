@@ -1,5 +1,5 @@
 """The file format of the caches the SQLite store saves beside its database (the lexical
-index, index/lexicon.py, and the large dense caches, slab.py): numpy arrays behind a JSON
+index, index/lexicon.py, and the large dense caches, index/slab.py): numpy arrays behind a JSON
 header, with a checksum, written to a temporary file that the store renames into place.
 
 Such a file is only a cache, trusted while the database names it: each save draws a random

@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from ..base import Query
-from ..slab import Slab, unit
 from . import ann
+from .slab import Slab, unit
 
 log = logging.getLogger("engram.store")
 

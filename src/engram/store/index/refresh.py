@@ -19,7 +19,7 @@ import numpy as np
 
 from ...model import Scope
 from ..records import Dialect, Stmt
-from ..slab import Slab
+from .slab import Slab
 
 # Changed rows read one by one up to this share of a slab (or this many): past it, reading
 # every row's attributes again is as cheap and needs no index walk of the changes.

@@ -33,7 +33,7 @@ from ..base import Candidate, Key, Lexical, Query, Select
 from ..index import dense, refresh
 from ..index.follow import LexicalChanges, LexicalFollower
 from ..index.lexicon import BATCH
-from ..slab import Slab, evict, unit
+from ..index.slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
 from .ann import IndexBuilds

@@ -35,7 +35,7 @@ from ..base import Candidate, Key, Lexical, Query, Seen, Select
 from ..bm25 import Tokenizer
 from ..index import ann, dense, lexicon, refresh
 from ..index.lexicon import MAX_DEAD, Lexicon
-from ..slab import Slab, evict, unit
+from ..index.slab import Slab, evict, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import lexlog, schema, sql
 from .conn import DB_ERRORS, Connections, is_busy

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ..model import Kind
-from .base import Candidate, Query, Seen
-from .cachefile import pack, unpack
-from .records import CANDIDATE_COLUMNS, Dialect, read_candidates, time_bounds
+from ...model import Kind
+from ..base import Candidate, Query, Seen
+from ..cachefile import pack, unpack
+from ..records import CANDIDATE_COLUMNS, Dialect, read_candidates, time_bounds
 
 if TYPE_CHECKING:
-    from .index.ann import Ann
+    from .ann import Ann
 
 _KIND_CODES = {k.value: i for i, k in enumerate(Kind)}
 TIMES = ("expires_at", "valid_from", "valid_to")  # cached per row, in this order
