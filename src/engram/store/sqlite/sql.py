@@ -3,7 +3,6 @@ text), filter conditions over `json_extract`, the FTS5 match and the dense cache
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -75,10 +74,9 @@ def update_memory(rec: MemoryRecord) -> r.Stmt:
 
 
 def owner_tokens(scope: Scope) -> list[str]:
-    """Opaque full-text tokens for the set fields of a scope (letters and digits only, so the
-    tokenizer keeps each whole; hashed, so ids of any shape fit)."""
-    return ["o" + hashlib.sha256(f"{field}\x1f{value}".encode()).hexdigest()[:24]
-            for field, value in scope.as_dict().items() if value is not None]
+    """The scope's tokens `memory_fts` keeps in its `owner` column (bm25.scope_tokens: the
+    PostgreSQL store's lexicon gives its documents the same)."""
+    return bm25.scope_tokens(scope)
 
 
 def index_text(rid: int, scope: Scope, body: str, previous: str) -> r.Stmt:
