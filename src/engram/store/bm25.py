@@ -19,10 +19,11 @@ from FTS5's `bm25()`, and why:
 * tf grows with the log of the count. The first mention is the evidence; a repeat adds less,
   and less again. BM25's own saturation point, k1 * (1 - b + b * D / avgdl), grows with the
   row's length, so in a long message (code naming its functions again and again) raw counts
-  weighed almost linearly: twenty mentions twenty times one. Now they weigh 1 + ln 20 = 4.
+  would weigh almost linearly (twenty mentions twenty times one); by the log they weigh
+  1 + ln 20 = 4.
 * D keeps the previous turn: a reply found through the turn it answers is measured with that
   turn. Measured by its own text alone, a short reply ("Wow, nice!") matched only through its
-  previous turn outranks the turn itself (LoCoMo dev, lexical alone: R@1 0.36 -> 0.20).
+  previous turn would outrank the turn itself (docs/lexicon.md, "The score").
 
 What the score is made of, so that PostgreSQL ranks as SQLite does:
 
