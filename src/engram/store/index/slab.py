@@ -188,6 +188,16 @@ class Slab:
         for col, name in enumerate(TIMES, start=1):
             getattr(self, name)[idx] = np.array([a[col] for a in attrs], dtype=np.float64)
 
+    def _put_attrs(self, idx: np.ndarray, attrs: Sequence[Sequence[Any]], d: Dialect | None) -> None:
+        """Set rows' attributes and, in a rich slab, their candidates (built again: a cold
+        row's pending build is done)."""
+        self._set_attrs(idx, attrs)
+        if self.rich:
+            for i, c in zip(idx.tolist(), self._candidates(attrs, d), strict=True):
+                self.cands[i] = c
+            if self.cold is not None:
+                self.cold_at[idx] = -1
+
     def rows_of(self, seqs: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Slab row of each seq (seqs are stored ascending) and which of them are held."""
         want = np.asarray(seqs, dtype=np.int64)
@@ -226,12 +236,7 @@ class Slab:
         idx = pos[held]
         self.ok[idx] = True
         attrs = [r[1:] for r, h in zip(rows, held, strict=True) if h]
-        self._set_attrs(idx, attrs)
-        if self.rich:
-            for i, c in zip(idx.tolist(), self._candidates(attrs, d), strict=True):
-                self.cands[i] = c
-            if self.cold is not None:
-                self.cold_at[idx] = -1
+        self._put_attrs(idx, attrs, d)
 
     def update_attrs(self, rows: Sequence[Sequence[Any]], d: Dialect | None = None) -> None:
         """Replace the attributes of some rows: `rows` are (seq, ok, kind, expires, valid_from,
@@ -247,12 +252,7 @@ class Slab:
         kept = [r for r, h in zip(rows, held.tolist(), strict=True) if h]
         self.ok[idx] = [bool(r[1]) for r in kept]
         attrs = [r[2:] for r in kept]
-        self._set_attrs(idx, attrs)
-        if self.rich:
-            for i, c in zip(idx.tolist(), self._candidates(attrs, d), strict=True):
-                self.cands[i] = c
-            if self.cold is not None:
-                self.cold_at[idx] = -1
+        self._put_attrs(idx, attrs, d)
 
     def visible(self, query: Query, rows: np.ndarray | None = None) -> np.ndarray:
         """Rows `query` may see (of all rows, or of `rows`), except for its metadata
