@@ -19,7 +19,7 @@ from typing import Any
 
 import retrieval
 from engram import PRESETS, Config, Memory
-from engram.pipeline import retrieve
+from engram.pipeline import retrieve, revisions
 
 SEEN: dict[str, Any] = {}
 _newest_wins = retrieve.newest_wins
@@ -56,7 +56,7 @@ def explain(mem: Memory, question: str, old: list[str], new: list[str],
         near = "" if about is None or m in about else " not-about"
         print(f"  {tag} {score[m]:.3f} {c.role or '-':9} {c.name or '-':8} "
               f"{(c.observed_at or c.created_at):%Y-%m-%d %H:%M} "
-              f"change={retrieve.announces_change(c.text):d}{near} "
+              f"change={revisions.announces_change(c.text):d}{near} "
               f"lift={SEEN['lifts'].get(m, 0):.3f} | {c.text[:100]!r}")
     olds = [m for m in top if ids.get(m) in old]
     news = [m for m in top if ids.get(m) in new]
@@ -64,14 +64,14 @@ def explain(mem: Memory, question: str, old: list[str], new: list[str],
         print("   not both on the page:", "old" if not olds else "new")
         return
     texts = [c.text for c in recs.values()]
-    q_words = retrieve.topic_words(question) - asked
+    q_words = revisions.topic_words(question) - asked
     for a in olds:
         for b in news:
             vq, va, vb = mem.embedder.embed_batch([question, recs[a].text, recs[b].text])
-            shared = (retrieve.topic_words(recs[a].text) & retrieve.topic_words(recs[b].text)) - asked
-            df = retrieve._counts(shared | q_words, texts)
+            shared = (revisions.topic_words(recs[a].text) & revisions.topic_words(recs[b].text)) - asked
+            df = revisions._counts(shared | q_words, texts)
             rare_q = {w for w in q_words if df[w] <= 2}
-            answers = [retrieve.topic_words(recs[m].text) & rare_q for m in (a, b)]
+            answers = [revisions.topic_words(recs[m].text) & rare_q for m in (a, b)]
             alike = bool({w for w in shared if df[w] <= 2} & rare_q) and answers[0] == answers[1]
             print(f"   pair: a.b={float(va @ vb):.3f} a.q={float(va @ vq):.3f} "
                   f"b.q={float(vb @ vq):.3f} same speaker="

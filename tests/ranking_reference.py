@@ -17,13 +17,15 @@ from engram.pipeline.retrieve import (
     Fused,
     RetrievalConfig,
     _stretch,
-    announces_change,
-    asks_past,
-    asks_span,
     asks_when,
     mentions_time,
     named_speakers,
     own_words,
+)
+from engram.pipeline.revisions import (
+    announces_change,
+    asks_past,
+    asks_span,
     same_thing,
     topic_words,
 )

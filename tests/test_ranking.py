@@ -16,15 +16,12 @@ from engram.errors import InvalidInput
 from engram.model import Scope
 from engram.pipeline.retrieve import (
     RetrievalConfig,
-    announces_change,
-    asks_past,
     fuse,
     get_preset,
-    newest_wins,
     rank,
     span_positions,
-    topic_words,
 )
+from engram.pipeline.revisions import announces_change, asks_past, newest_wins, topic_words
 from engram.store.base import Candidate
 
 NOW = datetime(2026, 1, 15, tzinfo=UTC)  # read long after the conversation took place

@@ -26,7 +26,6 @@ from engram.pipeline import retrieve
 from engram.pipeline.retrieve import (
     PRESETS,
     RetrievalConfig,
-    _counts,
     _names,
     _naming,
     _speakers,
@@ -35,8 +34,8 @@ from engram.pipeline.retrieve import (
     mentions_time,
     named_speakers,
     rank_arrays,
-    topic_words,
 )
+from engram.pipeline.revisions import _counts, topic_words
 from engram.store.base import Candidate
 
 NOW = datetime(2024, 6, 1, 12, 0, tzinfo=UTC)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from collections.abc import Sequence
+from itertools import compress
+from operator import not_
 
 from ..model import Kind, MemoryRecord
 
@@ -98,3 +101,10 @@ def key_text(rec: MemoryRecord) -> tuple[str, str]:
     if rec.name and terms(rec.name) != [own]:
         return f"{rec.name}: ", rec.text
     return "", rec.text
+
+
+def non_ascii(texts: Sequence[str]) -> list[int]:
+    """The positions of the texts that are not ASCII."""
+    if "".join(texts).isascii():  # one C-level pass: usually all of them are
+        return []
+    return list(compress(range(len(texts)), map(not_, map(str.isascii, texts))))
