@@ -625,7 +625,7 @@ def _pg_drop_tenant(args: argparse.Namespace, path: Path) -> None:
     mem = _open(path, args)
     try:
         with mem.store.write() as tx:
-            for table in ("memory_keys", "events", "memories", "lex_terms", "lex_stats",
+            for table in ("memory_keys", "events", "memories", "lex_stats",
                           "key_tombstones", "meta"):
                 tx.conn.execute(f"DELETE FROM {table} WHERE tenant = %s", (path.stem,))  # type: ignore[attr-defined]
     finally:
@@ -667,7 +667,7 @@ def _pg_after_fill(mem: Memory, dim: int, maintenance_mem: str) -> dict[str, Any
     print(f"  VACUUM ANALYZE, then the HNSW index (maintenance_work_mem {maintenance_mem})",
           file=sys.stderr)
     vacuum, _, _, index = _pg_maintenance(
-        mem, "VACUUM ANALYZE memories, memory_keys, lex_terms, events",
+        mem, "VACUUM ANALYZE memories, memory_keys, events",
         f"SET maintenance_work_mem = '{maintenance_mem}'",
         "SET max_parallel_maintenance_workers = 1", schema.hnsw_index_sql(dim))
     print(f"  vacuum {vacuum:.0f} s, HNSW build {index:.0f} s", file=sys.stderr)

@@ -336,3 +336,39 @@ def test_a_warm_search_with_the_lexicon_still_makes_two_round_trips(
         hits = mem.search("where does Ana live?", user_id="ana")
         assert hits[0].memory.text == "Ana moved to Lisbon in May."
         assert len(calls) == 2 and not statements
+
+
+def test_a_database_with_lex_terms_drops_it_and_writes_never_touch_it_again(
+        url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """0011 drops `lex_terms` (written by every write, read by nothing): a database made
+    before it upgrades in place, and ranks as it did; its writes keep `lex_stats` exact."""
+    from engram.store.postgres import schema
+
+    rng = random.Random(21)
+    names = [name for name, _ in schema.MIGRATIONS]
+    with monkeypatch.context() as m:
+        m.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:names.index("0011_drop_lex_terms")])
+        old = open_store(url)
+        recs = fill(old, 120, rng)  # type: ignore[arg-type]
+        assert old._read("SELECT to_regclass('lex_terms')") != [(None,)]
+        q = Query(scope=SCOPES[0], now=NOW)
+        before = by_sql(old, q, ["ramen", "lisbon"], 20, 0.5)
+        old.close()
+    new = open_store(url)
+    try:
+        assert new.migrations() == names
+        assert new._read("SELECT to_regclass('lex_terms')") == [(None,)]
+        assert by_sql(new, q, ["ramen", "lisbon"], 20, 0.5) == before and before
+        more = fill(new, 30, rng)  # type: ignore[arg-type]
+        with new.write() as tx:
+            tx.update(replace(recs[0], text="ramen in Lisbon"), None, Lexical("ramen in Lisbon"))
+            tx.soft_delete([recs[1].id], NOW)
+            tx.erase([recs[2].id, more[0].id])
+        (rows, tokens), = new._read("SELECT rows, tokens FROM lex_stats WHERE tenant = %s",
+                                    (new.tenant,))
+        assert (rows, tokens) == tuple(new._read(
+            "SELECT count(*), sum(lex_len) FROM memories WHERE tenant = %s AND lex IS NOT NULL",
+            (new.tenant,))[0]) and rows == 120 + 30 - 3
+        check(new, rng, 10)
+    finally:
+        new.close()

@@ -68,7 +68,6 @@ TABLES = [
     "lex_context, lex_len FROM memories WHERE tenant = %s ORDER BY seq",
     "SELECT memory_id, kind, dim, vector::text FROM memory_keys WHERE tenant = %s ORDER BY seq",
     "SELECT rows, tokens FROM lex_stats WHERE tenant = %s",
-    "SELECT term, df FROM lex_terms WHERE tenant = %s ORDER BY term",
 ]
 
 
@@ -140,7 +139,6 @@ def test_a_bad_row_leaves_nothing_of_its_batch(db: str, spoil: str) -> None:
         counts = ["SELECT count(*) FROM memories WHERE tenant = %s",
                   "SELECT count(*) FROM memory_keys WHERE tenant = %s",
                   "SELECT rows, tokens FROM lex_stats WHERE tenant = %s",
-                  "SELECT count(*), sum(df) FROM lex_terms WHERE tenant = %s",
                   "SELECT name, value FROM meta WHERE tenant = %s ORDER BY name"]
         before = [_read(store, c) for c in counts]
         rows = _rows(30, seed=5)

@@ -129,7 +129,7 @@ def test_the_bm25_search_binds_exactly_its_parameters(scope: Scope, phrases: lis
     sql, params = pg.lexical("tenant-1", Query(scope, NOW), phrases, 7, weight)
     assert placeholders(pg.DIALECT, sql) == len(params)
     # every table it reads is read within the tenant
-    reads = len(re.findall(r"FROM (memories|lex_stats|lex_terms) \w+", sql))
+    reads = len(re.findall(r"FROM (memories|lex_stats) \w+", sql))
     assert sql.count("tenant = %s") == params.count("tenant-1") == reads
     assert params[-1] == 7 and weight in params
 

@@ -119,7 +119,7 @@ class Tokenizer:
 class Document:
     """A memory's lexical index, as its row stores it."""
 
-    terms: list[str]  # its distinct tokens and adjacent pairs (`lex`, and counted in `lex_terms`)
+    terms: list[str]  # its distinct tokens and adjacent pairs (`lex`)
     body: str         # `<tok><tok>...` of the text
     context: str      # ... of the previous turn
     length: int       # tokens of both columns, plus the scope tokens SQLite indexes with them

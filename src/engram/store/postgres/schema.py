@@ -34,7 +34,7 @@ TOMBSTONES_SETTING = "engram.tombstones_kept"  # a database or role may set anot
 
 # Tables whose rows belong to a tenant: each gets the tenant policy below.
 TENANT_TABLES = ("memories", "memory_keys", "events", "meta", "jobs", "sessions", "lex_stats",
-                 "lex_terms", "entities", "entity_names", "relations", "mentions", "embedding_space",
+                 "entities", "entity_names", "relations", "mentions", "embedding_space",
                  "key_tombstones", "erasures", "lex_log")
 _GRAPH_TABLES = ("entities", "entity_names", "relations", "mentions")
 # The columns of `memories` the dense cache holds (visibility, then ranking: CANDIDATE_COLUMNS)
@@ -453,6 +453,12 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
         "engram_lex_changed()",
         "CREATE TRIGGER memories_lex_gone AFTER DELETE ON memories REFERENCING OLD TABLE AS "
         "gone FOR EACH STATEMENT EXECUTE FUNCTION engram_lex_gone()",
+    ]),
+    # A phrase's IDF counts the rows whose text holds it (bm25.py), from `lex_body` at search
+    # time (and in the lexicons); nothing reads `lex_terms`, the document frequency of every
+    # token per tenant, any more, and every write paid for it: it goes.
+    ("0011_drop_lex_terms", [
+        "DROP TABLE lex_terms",
     ]),
 ]
 

@@ -6,7 +6,6 @@ over pgvector."""
 from __future__ import annotations
 
 import struct
-from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -335,14 +334,10 @@ UNINDEX = "lex = NULL, lex_body = NULL, lex_context = NULL, lex_len = NULL"
 
 
 def count_in(tenant: str, doc: Document) -> r.Stmt:
-    """Add a newly indexed row to the tenant's statistics: one more row, its length, and one
-    more row for each of its tokens."""
-    return ("WITH s AS (INSERT INTO lex_stats (tenant, rows, tokens) VALUES (%s, 1, %s) "
+    """Add a newly indexed row to the tenant's statistics: one more row, and its length."""
+    return ("INSERT INTO lex_stats (tenant, rows, tokens) VALUES (%s, 1, %s) "
             "ON CONFLICT (tenant) DO UPDATE SET rows = lex_stats.rows + 1, "
-            "tokens = lex_stats.tokens + excluded.tokens) "
-            "INSERT INTO lex_terms (tenant, term, df) SELECT %s, t, 1 FROM unnest(%s::text[]) t "
-            "ON CONFLICT (tenant, term) DO UPDATE SET df = lex_terms.df + 1",
-            [tenant, doc.length, tenant, doc.terms])
+            "tokens = lex_stats.tokens + excluded.tokens", [tenant, doc.length])
 
 
 # -- bulk writes (PgTx.insert_many): a statement per table for many rows -------------------------
@@ -384,15 +379,10 @@ def insert_memories(tenant: str, recs: Sequence[MemoryRecord], docs: Sequence[Do
 
 def count_in_many(tenant: str, docs: Sequence[Document]) -> r.Stmt:
     """`count_in` of many newly indexed rows at once."""
-    df = Counter(t for d in docs for t in d.terms)
-    terms = sorted(df)
-    return ("WITH s AS (INSERT INTO lex_stats (tenant, rows, tokens) VALUES (%s, %s, %s) "
+    return ("INSERT INTO lex_stats (tenant, rows, tokens) VALUES (%s, %s, %s) "
             "ON CONFLICT (tenant) DO UPDATE SET rows = lex_stats.rows + excluded.rows, "
-            "tokens = lex_stats.tokens + excluded.tokens) "
-            "INSERT INTO lex_terms (tenant, term, df) SELECT %s, u.t, u.n "
-            "FROM unnest(%s::text[], %s::int8[]) AS u(t, n) "
-            "ON CONFLICT (tenant, term) DO UPDATE SET df = lex_terms.df + excluded.df",
-            [tenant, len(docs), sum(d.length for d in docs), tenant, terms, [df[t] for t in terms]])
+            "tokens = lex_stats.tokens + excluded.tokens",
+            [tenant, len(docs), sum(d.length for d in docs)])
 
 
 def insert_keys(tenant: str, dim: int, ids: Sequence[str], kinds: Sequence[str],
@@ -436,20 +426,11 @@ def vector_array(oid: int, vectors: np.ndarray) -> Binary:
 
 def count_out(tenant: str, ids: Sequence[str]) -> r.Stmt:
     """Take rows out of the tenant's statistics, before they lose their index (deleted,
-    erased, re-indexed). A token no row holds any more leaves `lex_terms`: an erased word
-    leaves no trace there."""
-    return ("WITH old AS (SELECT m.lex, m.lex_len FROM memories m "
-            "WHERE m.tenant = %s AND m.id = ANY(%s) AND m.lex IS NOT NULL), "
-            "terms AS (SELECT t AS term, count(*) AS n FROM old, unnest(tsvector_to_array(old.lex)) t "
-            "GROUP BY t), "
-            "stats AS (UPDATE lex_stats s SET rows = s.rows - o.n, tokens = s.tokens - o.len "
-            "FROM (SELECT count(*) AS n, coalesce(sum(lex_len), 0) AS len FROM old) o "
-            "WHERE s.tenant = %s AND o.n > 0), "
-            "gone AS (DELETE FROM lex_terms d USING terms "
-            "WHERE d.tenant = %s AND d.term = terms.term AND d.df <= terms.n) "
-            "UPDATE lex_terms u SET df = u.df - terms.n FROM terms "
-            "WHERE u.tenant = %s AND u.term = terms.term AND u.df > terms.n",
-            [tenant, list(ids), tenant, tenant, tenant])
+    erased, re-indexed)."""
+    return ("UPDATE lex_stats s SET rows = s.rows - o.n, tokens = s.tokens - o.len "
+            "FROM (SELECT count(*) AS n, coalesce(sum(lex_len), 0) AS len FROM memories "
+            "WHERE tenant = %s AND id = ANY(%s) AND lex IS NOT NULL) o "
+            "WHERE s.tenant = %s AND o.n > 0", [tenant, list(ids), tenant])
 
 
 def _lexeme(token: str) -> str:

@@ -991,7 +991,7 @@ class PgTx(SQLTx):
         self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = ANY(%s)", params)
         self._exec("DELETE FROM events WHERE tenant = %s AND memory_id = ANY(%s)", params)
         self._exec("DELETE FROM memories WHERE tenant = %s AND id = ANY(%s)", params)
-        self.erased_from |= {"memories", "memory_keys", "events", "lex_terms", "lex_stats"}
+        self.erased_from |= {"memories", "memory_keys", "events", "lex_stats"}
 
     def erase_scope(self, scope: Scope) -> None:
         super().erase_scope(scope)
