@@ -11,7 +11,8 @@ of one row reloads that row, not the scope."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,6 +26,9 @@ from .slab import Slab
 # every row's attributes again is as cheap and needs no index walk of the changes.
 CHANGED_SHARE = 8
 CHANGED_MIN = 256
+# New keys are read this many a statement (`rest` reads on until a short one): a large scope's
+# first load then holds the slab's arrays and one chunk of rows, not a tuple per key of it.
+CHUNK = 20_000
 
 
 class KeyReads(Protocol):
@@ -42,9 +46,11 @@ class KeyReads(Protocol):
         (-1, horizon) when some of them were pruned; `after_id` -1: one row, (last id, None)."""
         ...
 
-    def new_keys(self, scope: Scope, key_name: str, dim: int, after_seq: int, rich: bool) -> Stmt:
+    def new_keys(self, scope: Scope, key_name: str, dim: int, after_seq: int, rich: bool,
+                 limit: int) -> Stmt:
         """(seq, memory id, vector, kind, expires_at, valid_from, valid_to[, the
-        CANDIDATE_COLUMNS when rich]) of live memories' keys of the scope after `after_seq`."""
+        CANDIDATE_COLUMNS when rich]) of live memories' keys of the scope after `after_seq`,
+        the first `limit` by seq."""
         ...
 
     def changed_keys(self, scope: Scope, key_name: str, dim: int, since: int, upto_seq: int,
@@ -96,7 +102,7 @@ def reads(k: KeyReads, scope: Scope, key_name: str, dim: int, slab: Slab,
     `attrs`, its changed rows (every row's when its rows version is unknown; none while it
     holds no row: its new keys come with theirs)."""
     m = Mark.of(slab)
-    out = [k.tombstones(m.tomb), k.new_keys(scope, key_name, dim, m.seq, slab.rich)]
+    out = [k.tombstones(m.tomb), k.new_keys(scope, key_name, dim, m.seq, slab.rich, CHUNK)]
     if attrs and m.seq > 0:
         out.append(k.key_attrs(scope, key_name, dim, m.seq, slab.rich) if m.rows < 0 else
                    k.changed_keys(scope, key_name, dim, m.rows, m.seq, slab.rich,
@@ -133,7 +139,26 @@ def apply(slab: Slab, k: KeyReads, dim: int, results: Sequence[Sequence[Any]]) -
             outcome = Applied.RELOAD
         else:
             slab.update_attrs(rows, k.dialect)
+    _append(slab, k, dim, added)
+    return outcome
+
+
+def rest(slab: Slab, k: KeyReads, scope: Scope, key_name: str, dim: int,
+         results: Sequence[Sequence[Any]], run: Callable[[Stmt], Sequence[Any]],
+         lock: AbstractContextManager[Any] | None = None) -> None:
+    """After `apply` took `results`: while the new keys read filled their chunk, read (`run`)
+    the next chunk after the slab's last seq and append it (holding `lock`: the slab may be
+    searched meanwhile). What these later statements read is newer than the versions the
+    slab is marked with, never older: a key they miss was deleted (its tombstone is next),
+    and a row they read changed is read again at the next refresh."""
+    added = results[1]
+    while len(added) >= CHUNK:
+        added = run(k.new_keys(scope, key_name, dim, slab.max_seq, slab.rich, CHUNK))
+        with lock or nullcontext():
+            _append(slab, k, dim, added)
+
+
+def _append(slab: Slab, k: KeyReads, dim: int, added: Sequence[Sequence[Any]]) -> None:
     if added:
         slab.append([a[0] for a in added], [a[1] for a in added],
                     k.vectors([a[2] for a in added], dim), [a[3:] for a in added], k.dialect)
-    return outcome

@@ -202,12 +202,13 @@ def count_keys(tenant: str, scope: Scope, key_name: str, dim: int, limit: int) -
 
 
 def new_keys(tenant: str, scope: Scope, key_name: str, dim: int, after_seq: int,
-             rich: bool = False) -> r.Stmt:
-    """Keys added since `after_seq` of live memories of the scope, their vectors in pgvector's
-    binary form, with what visibility (and, `rich`, ranking) needs."""
+             rich: bool, limit: int) -> r.Stmt:
+    """Keys added since `after_seq` of live memories of the scope (the first `limit`), their
+    vectors in pgvector's binary form, with what visibility (and, `rich`, ranking) needs."""
     w = _key_where(tenant, scope, key_name, dim).add("k.seq > %s", after_seq)
     return (f"SELECT k.seq, k.memory_id, vector_send(k.vector), {_attrs(rich)} FROM memory_keys k "
-            f"JOIN memories m ON m.id = k.memory_id WHERE {w.sql} ORDER BY k.seq", w.params)
+            f"JOIN memories m ON m.id = k.memory_id WHERE {w.sql} ORDER BY k.seq LIMIT %s",
+            [*w.params, limit])
 
 
 def key_attrs(tenant: str, scope: Scope, key_name: str, dim: int, rich: bool = False,
@@ -237,11 +238,16 @@ def changed_keys(tenant: str, scope: Scope, key_name: str, dim: int, since: int,
 
 
 class KeyReads:
-    """The dense cache's reads (index/refresh.py) of one tenant, in this dialect."""
+    """The dense cache's reads (index/refresh.py, index/cache.py) of one tenant, in this
+    dialect."""
 
     def __init__(self, tenant: str) -> None:
         self.tenant = tenant
         self.dialect = DIALECT
+        self.owner = (tenant,)  # the tenants of a process share its cache
+
+    def count_keys(self, scope: Scope, key_name: str, dim: int, limit: int) -> r.Stmt:
+        return count_keys(self.tenant, scope, key_name, dim, limit)
 
     def versions(self) -> r.Stmt:
         return versions(self.tenant)
@@ -249,8 +255,9 @@ class KeyReads:
     def tombstones(self, after_id: int) -> r.Stmt:
         return tombstones(self.tenant, after_id)
 
-    def new_keys(self, scope: Scope, key_name: str, dim: int, after_seq: int, rich: bool) -> r.Stmt:
-        return new_keys(self.tenant, scope, key_name, dim, after_seq, rich)
+    def new_keys(self, scope: Scope, key_name: str, dim: int, after_seq: int, rich: bool,
+                 limit: int) -> r.Stmt:
+        return new_keys(self.tenant, scope, key_name, dim, after_seq, rich, limit)
 
     def changed_keys(self, scope: Scope, key_name: str, dim: int, since: int, upto_seq: int,
                      rich: bool, limit: int) -> r.Stmt:

@@ -573,10 +573,17 @@ class PostgresStore(SQLStore):
         results = iter(self._batch(statements) if statements else [])
         for name, n in planned.items():
             got[name] = [next(results) for _ in range(n)]
+        with self._slabs_lock:
+            applied = {name: refresh.apply(slab, self._keys, dim, got[name])
+                       for name, slab in stale.items()}
+        for name, slab in stale.items():  # a large load's later chunks, read unlocked
+            if applied[name] is not refresh.Applied.PRUNED:
+                refresh.rest(slab, self._keys, scope, name, dim, got[name],
+                             lambda stmt: self._read(*stmt), self._slabs_lock)
         reload: dict[str, Slab] = {}
         with self._slabs_lock:
             for name, slab in stale.items():
-                done = refresh.apply(slab, self._keys, dim, got[name])
+                done = applied[name]
                 if done is refresh.Applied.PRUNED:
                     # what was deleted meanwhile is unknown: the slab goes, and the caller's
                     # search loads the scope afresh

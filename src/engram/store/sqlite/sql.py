@@ -178,14 +178,14 @@ def _attrs(rich: bool) -> str:
     return f"{_ATTRS}, {r.columns('m', r.CANDIDATE_COLUMNS)}" if rich else _ATTRS
 
 
-def new_keys(scope: Scope, key_name: str, after_seq: int, rich: bool = False) -> r.Stmt:
-    """Keys added since `after_seq` of live memories of the scope, with what visibility needs
-    (and, `rich`, what ranking needs: the CANDIDATE_COLUMNS)."""
+def new_keys(scope: Scope, key_name: str, after_seq: int, rich: bool, limit: int) -> r.Stmt:
+    """Keys added since `after_seq` of live memories of the scope (the first `limit`),
+    with what visibility needs (and, `rich`, what ranking needs: the CANDIDATE_COLUMNS)."""
     w = r.Where(DIALECT, "").add("k.seq > ?", after_seq).add("k.kind = ?", key_name)
     w.add("m.deleted_at IS NULL").scope(scope)
-    return (f"SELECT k.seq, k.memory_id, k.vector, {_attrs(rich)} "
-            f"FROM memory_keys k JOIN memories m ON m.id = k.memory_id WHERE {w.sql} ORDER BY k.seq",
-            w.params)
+    return (f"SELECT k.seq, k.memory_id, k.vector, {_attrs(rich)} FROM memory_keys k "
+            f"JOIN memories m ON m.id = k.memory_id WHERE {w.sql} ORDER BY k.seq LIMIT ?",
+            [*w.params, limit])
 
 
 def key_attrs(scope: Scope, key_name: str, upto_seq: int, rich: bool = False) -> r.Stmt:
@@ -223,9 +223,15 @@ MARK_CHANGED = ("UPDATE memories SET changed = (SELECT value FROM meta WHERE nam
 
 
 class KeyReads:
-    """The dense cache's reads (index/refresh.py), in this dialect."""
+    """The dense cache's reads (index/refresh.py, index/cache.py), in this dialect."""
 
     dialect = DIALECT
+    owner: tuple[Any, ...] = ()  # one database, one owner
+
+    def count_keys(self, scope: Scope, key_name: str, dim: int, limit: int) -> r.Stmt:
+        w = r.Where(DIALECT, "").add("k.kind = ?", key_name).add("m.deleted_at IS NULL").scope(scope)
+        return (f"SELECT count(*) FROM (SELECT 1 FROM memory_keys k JOIN memories m ON m.id = "
+                f"k.memory_id WHERE {w.sql} LIMIT ?)", [*w.params, limit])
 
     def versions(self) -> r.Stmt:
         return "SELECT name, value FROM meta WHERE name IN ('keys_version', 'rows_version')", []
@@ -233,8 +239,9 @@ class KeyReads:
     def tombstones(self, after_id: int) -> r.Stmt:
         return tombstones(after_id)
 
-    def new_keys(self, scope: Scope, key_name: str, dim: int, after_seq: int, rich: bool) -> r.Stmt:
-        return new_keys(scope, key_name, after_seq, rich)
+    def new_keys(self, scope: Scope, key_name: str, dim: int, after_seq: int, rich: bool,
+                 limit: int) -> r.Stmt:
+        return new_keys(scope, key_name, after_seq, rich, limit)
 
     def changed_keys(self, scope: Scope, key_name: str, dim: int, since: int, upto_seq: int,
                      rich: bool, limit: int) -> r.Stmt:

@@ -15,7 +15,6 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import wait
 from contextlib import AbstractContextManager, closing, contextmanager, nullcontext, suppress
@@ -33,9 +32,10 @@ from .. import cachefile
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Seen, Select
 from ..bm25 import Tokenizer
-from ..index import ann, dense, lexicon, refresh
+from ..index import ann, lexicon
+from ..index.cache import DenseCache, Follow
 from ..index.lexicon import MAX_DEAD, Lexicon
-from ..index.slab import Slab, evict, unit
+from ..index.slab import Slab, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import lexlog, schema, sql
 from .conn import DB_ERRORS, Connections, is_busy
@@ -85,17 +85,14 @@ class SQLiteStore(SQLStore):
             self._ann_dir = self.path.parent / f"{self.path.name}.ann"
             self._lex_path = self.path.parent / f"{self.path.name}.lexicon"
             self._slab_dir = self.path.parent / f"{self.path.name}.slabs"
-        self.ann_threshold = ann_threshold
         self.lexicon_threshold = lexicon_threshold
         self.lexicon_log = lexicon_log
-        self.cache_rows = cache_rows
         self._lex: Lexicon | None = None
         self._lex_lock = threading.Lock()
         self.busy_timeout_s = busy_timeout_s
         self._db = Connections(self.path, busy_timeout_s=busy_timeout_s, key=key)
         self._local = threading.local()  # .dirty: this thread's open write changed keys
-        self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
-        self._slabs_lock = threading.Lock()
+        self._cache = DenseCache(cache_rows, ann_threshold)  # index/cache.py
         self._keys = sql.KeyReads()  # the dense cache's reads
         self._saver = Threads(1, "engram-cache-save")  # cache files and counts (`_in_background`)
         self._helper = Threads(1, "engram-search")  # a search's lexical side (`pool`)
@@ -123,6 +120,11 @@ class SQLiteStore(SQLStore):
             ann.forget_files(self._ann_dir)
 
     @property
+    def ann_threshold(self) -> int:
+        """A scope of more keys than this is searched through its HNSW index."""
+        return self._cache.ann_threshold
+
+    @property
     def connections(self) -> Connections:
         """The connection layer (for backup, rekey and integrity checks: store.sqlite.files)."""
         return self._db
@@ -146,8 +148,6 @@ class SQLiteStore(SQLStore):
         parent's: the child starts its own (threads.py)."""
         if self._lex_lock.locked():
             self._lex_lock, self._lex = threading.Lock(), None
-        if self._slabs_lock.locked():
-            self._slabs_lock, self._slabs = threading.Lock(), OrderedDict()
         self._helper_free = threading.Semaphore(1)  # a parent's search may have held it
         # the parent's to write
         self._counts, self._counts_due, self._counts_lock = [], False, threading.Lock()
@@ -192,12 +192,10 @@ class SQLiteStore(SQLStore):
                 self._lex.close()
                 self._lex = None
             self._forget_lexicon_files()
-        with self._slabs_lock:
-            for slab in self._slabs.values():
-                slab.ann = None
-                slab.saved_n = 0  # unnamed by the erasure: saved again once exact
+        def forget_files() -> None:
             ann.forget_files(self._ann_dir)
             self._forget_slab_files(keep=False)
+        self._cache.forget_ann(forget_files)
 
     def _forget_lexicon_files(self) -> None:
         """Remove the saved lexical index and any half-written one."""
@@ -261,52 +259,27 @@ class SQLiteStore(SQLStore):
     # -- dense search over the in-process cache ------------------------------------------------
 
     def _slab(self, query: Query, key_name: str, dim: int) -> tuple[Slab, bool]:
-        """The scope's cache, refreshed (index/refresh.py); and whether it is exact (its
+        """The scope's cache, refreshed (index/cache.py); and whether it is exact (its
         visibility attributes may be used instead of re-checking candidates against the
-        tables)."""
-        scope = query.scope
+        tables). Inside a write that changed keys, this connection sees rows that may yet roll
+        back: the cache is used as it is (committed state); inside one that did not, its keys
+        are committed ones, but their rows may carry its changes: their attributes are not
+        taken as exact."""
         meta = dict(self._read("SELECT name, value FROM meta"))
-        version: int = meta["keys_version"]
-        rows_version: int = meta["rows_version"]
-        in_tx = self._db.get().in_transaction
-        key = (scope.user_id, scope.agent_id, scope.session_id, key_name)
-        with self._slabs_lock:
-            slab = self._slabs.get(key)
-            if slab is None or slab.mat.shape[1] != dim:
-                slab = self._load_slab(key, dim, meta) or Slab(dim, rich=key_name == "text")
-                self._slabs[key] = slab
-            self._slabs.move_to_end(key)
-            # Inside a write that already changed keys, this connection sees rows that may yet
-            # roll back: use the cache as it is (committed state) rather than load them. Inside
-            # one that did not, its keys are committed ones, but their rows may carry its
-            # changes: their attributes are not taken as exact.
-            if not getattr(self._local, "dirty", False) and (
-                    slab.version != version or (not in_tx and slab.rows_version != rows_version)):
-                n = slab.n
-                for _ in range(2):
-                    reads = refresh.reads(self._keys, scope, key_name, dim, slab, attrs=not in_tx)
-                    done = refresh.apply(slab, self._keys, dim,
-                                         [self._read(*stmt) for stmt in reads])
-                    if done is not refresh.Applied.PRUNED:
-                        break
-                    slab = self._slabs[key] = Slab(dim, rich=key_name == "text")
-                if done is refresh.Applied.RELOAD:
-                    slab.reset_attrs(self._read(*self._keys.key_attrs(
-                        scope, key_name, dim, slab.max_seq, slab.rich)), self.dialect)
-                slab.version = version
-                if not in_tx:
-                    slab.rows_version = rows_version
-                elif slab.n > n:  # their rows may carry this write's uncommitted changes
-                    slab.rows_version = -1
-                if slab.n > n:
-                    evict(self._slabs, self.cache_rows, key[:-1])  # only rows added can overflow
-            exact = not in_tx and slab.version == version and slab.rows_version == rows_version
-            if exact:
+        follow = (Follow.NONE if getattr(self._local, "dirty", False) else
+                  Follow.KEYS if self._db.get().in_transaction else Follow.EXACT)
+        slab = self._cache.refresh(
+            self._keys, query.scope, [key_name], dim, (meta["keys_version"], meta["rows_version"]),
+            lambda stmts: [self._read(*stmt) for stmt in stmts], follow=follow,
+            load=lambda key, dim: self._load_slab(key, dim, meta))[key_name]
+        exact = follow is Follow.EXACT
+        if exact:
+            with self._cache.lock:
                 slab.erasures = meta["erasures"]
                 if slab.n > self.ann_threshold and \
                         slab.n - slab.saved_n >= max(self.ann_threshold, slab.saved_n // 4):
-                    self._save_slab(slab, key)
-            return slab, exact
+                    self._save_slab(slab, self._cache.key(self._keys, query.scope, key_name))
+        return slab, exact
 
     def _slab_file(self, key: tuple[Any, ...]) -> tuple[Path, str] | None:
         """Where the dense cache of one scope and key name is saved, and its name in `meta`."""
@@ -317,8 +290,7 @@ class SQLiteStore(SQLStore):
 
     def _load_slab(self, key: tuple[Any, ...], dim: int, meta: dict[str, Any]) -> Slab | None:
         """The cache saved for `key`, if the database names its file (`meta`, just read) and it
-        reads back whole; it then catches up with the tables like any cache. Call with the
-        slabs' lock held."""
+        reads back whole; it then catches up with the tables like any cache."""
         where = self._slab_file(key)
         token = meta.get(where[1]) if where is not None else None
         if where is None or not token or self._db.encrypted:
@@ -342,14 +314,14 @@ class SQLiteStore(SQLStore):
         """Build the candidates of a cache loaded from its file, a chunk at a time under the
         lock, off the request path (a search builds the ones it needs first itself)."""
         while not self._closing.is_set():
-            with self._slabs_lock:
+            with self._cache.lock:
                 if not slab.warm(5_000):  # ~50 ms: a search waits no longer than that
                     return
             time.sleep(0.002)  # the lock is not fair: let a waiting search take it first
 
     def _save_slab(self, slab: Slab, key: tuple[Any, ...]) -> None:
         """Save an exact cache beside the database (`_save_cache`, off the request path), to
-        spare a new process loading it from the tables. Call with the slabs' lock held: its
+        spare a new process loading it from the tables. Call with the cache's lock held: its
         state is taken now (`Slab.state` copies what later changes rewrite in place)."""
         where = self._slab_file(key)
         if where is None or self._db.encrypted:
@@ -390,16 +362,13 @@ class SQLiteStore(SQLStore):
         ids it does not hold, and every id outside a search, from the table."""
         if query is None or not ids:
             return super().candidates(ids)
-        s = query.scope
-        with self._slabs_lock:
-            slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, "text"))
+        slab = self._cache.get(self._keys, query.scope, "text")
         if slab is None:
             return super().candidates(ids)
         slab, exact = self._slab(query, "text", slab.mat.shape[1])
         if not exact:
             return super().candidates(ids)
-        with self._slabs_lock:
-            found, missing = slab.candidates(ids)
+        found, missing = self._cache.candidates(slab, ids)
         if missing:
             found.update(super().candidates(missing))
         return found
@@ -412,16 +381,14 @@ class SQLiteStore(SQLStore):
         vector = unit(np.asarray(vector, dtype=np.float32))  # cosine, as the protocol says
         slab, exact = self._slab(query, key, vector.shape[0])
         if exact:
-            s = query.scope
-            name = (s.user_id, s.agent_id, s.session_id, key)
+            name = self._cache.key(self._keys, query.scope, key)
             # never beside an encrypted database: the index holds its vectors in clear
             path = (ann.file_for(self._ann_dir, name)
                     if self._ann_dir is not None and not self._db.encrypted else None)
-            with self._slabs_lock:
-                return dense.search(slab, query, vector, k, lambda ids: self._visible(query, ids),
-                                    self.ann_threshold, path, name)
+            return self._cache.search(name, slab, query, vector, k,
+                                      lambda ids: self._visible(query, ids), ann_file=path)
         # Inside a write: check each candidate against the tables.
-        with self._slabs_lock:
+        with self._cache.lock:
             n = slab.n
             sims = slab.mat[:n] @ vector
             sims[~slab.alive[:n]] = -np.inf
@@ -436,7 +403,7 @@ class SQLiteStore(SQLStore):
             dead = [i for i in top if int(seqs[i]) not in alive]
             # Not from inside a write: a key it deleted comes back if the write rolls back.
             if dead and not self._db.get().in_transaction:
-                with self._slabs_lock:
+                with self._cache.lock:
                     slab.alive[dead] = False
             best = {}
             for i in top:
@@ -510,18 +477,11 @@ class SQLiteStore(SQLStore):
     def _complete(self, query: Query, vector: np.ndarray, k: int, keys: Sequence[str],
                   found: dict[str, list[tuple[str, float]]]) -> None:
         """Each dense key's list of a large scope completed from the pool (index/dense.py)."""
-        s = query.scope
-        with self._slabs_lock:
-            slabs = {key: self._slabs.get((s.user_id, s.agent_id, s.session_id, key))
-                     for key in keys}
-        dense.complete(slabs, self._slabs_lock, vector, k, self.ann_threshold, found)
+        self._cache.complete(self._cache.held(self._keys, query.scope, keys), vector, k, found)
 
     def _large(self, query: Query) -> bool:
         """Whether the scope's cached `text` keys are more than the ANN threshold."""
-        s = query.scope
-        with self._slabs_lock:
-            slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, "text"))
-        return slab is not None and slab.n > self.ann_threshold
+        return self._cache.indexed(self._keys, query.scope)
 
     def lexical(self, query: Query, terms: Sequence[str], k: int,
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
@@ -625,14 +585,11 @@ class SQLiteStore(SQLStore):
     def _lexical_visible(self, query: Query, ids: list[str]) -> set[str]:
         """The ids `query` may see: from the `text` cache when it is exact (no SQL), else the
         tables decide (as the FTS5 query's conditions do)."""
-        s = query.scope
-        with self._slabs_lock:
-            slab = self._slabs.get((s.user_id, s.agent_id, s.session_id, "text"))
+        slab = self._cache.get(self._keys, query.scope, "text")
         if slab is not None and not query.conditions:
             slab, exact = self._slab(query, "text", slab.mat.shape[1])
             if exact:
-                with self._slabs_lock:
-                    return slab.visible_ids(query, ids)
+                return self._cache.visible_ids(slab, query, ids)
         return self._visible(query, ids)
 
     def read_memories(self, sel: Select) -> list[MemoryRecord]:
