@@ -42,7 +42,7 @@ def main() -> None:
     query = Query(scope=Scope("u0"), now=datetime.now(UTC))
     for key in keys:
         slab, _ = store._slab(query, key, vecs.shape[1])  # type: ignore[attr-defined]
-        with store._slabs_lock:  # type: ignore[attr-defined]
+        with store._cache.lock:  # type: ignore[attr-defined]
             index = store._ann(slab, ("u0", None, None, key))  # type: ignore[attr-defined]
         live = slab.live_rows()
         mat, seqs = slab.mat[live], slab.seqs[live]
@@ -75,11 +75,11 @@ def main() -> None:
         for q in qs:
             res = {}
             for mode, thr in (("ann", store.ann_threshold), ("exact", 10**9)):  # type: ignore[attr-defined]
-                old, store.ann_threshold = store.ann_threshold, thr  # type: ignore[attr-defined]
+                old, store._cache.ann_threshold = store.ann_threshold, thr  # type: ignore[attr-defined]
                 t = time.perf_counter()
                 hits = mem.search(q, user_id="u0", limit=10)
                 lat[mode].append(time.perf_counter() - t)
-                store.ann_threshold = old  # type: ignore[attr-defined]
+                store._cache.ann_threshold = old  # type: ignore[attr-defined]
                 res[mode] = {h.memory.id for h in hits}
             same10.append(len(res["ann"] & res["exact"]) / 10)
         print(f"Memory.search top 10, HNSW vs exact: overlap {statistics.mean(same10):.3f} "

@@ -153,10 +153,12 @@ def held(tenants: Any) -> dict[str, Any]:
     turns = getattr(getattr(base, "_turns", None), "_turns", None)
     if turns is not None:
         out["store._turns._turns"] = len(turns)
-    if not hasattr(base, "_slabs"):
+    cache = getattr(base, "_cache", None)
+    if cache is None or not hasattr(cache, "slabs"):
         out["slabs"] = "not found: the dense cache moved (update held())"
         return out
-    slabs = list(base._slabs.values())
+    out["store._cache.slabs"], out["store._cache.over"] = len(cache.slabs), len(cache.over)
+    slabs = list(cache.slabs.values())
     out["slab rows"] = sum(s.n for s in slabs)
     out["slab capacity rows"] = sum(len(s.seqs) for s in slabs)
     out["slab MB (numpy, allocated)"] = sum(

@@ -98,8 +98,8 @@ def test_the_index_answers_like_the_exact_scan(path: Path, filled: dict[str, lis
             assert [s for _, s in a] == sorted((s for _, s in a), reverse=True)
         assert np.mean(overlap) >= 0.9
         assert list((path.parent / "engram.db.ann").glob("*.usearch"))  # saved beside the db
-        assert approx._slabs[("a", None, None, "text")].ann is not None  # it was used
-        assert exact._slabs[("a", None, None, "text")].ann is None
+        assert approx._cache.slabs[("a", None, None, "text")].ann is not None  # it was used
+        assert exact._cache.slabs[("a", None, None, "text")].ann is None
     finally:
         approx.close()
         exact.close()
@@ -249,10 +249,10 @@ def test_an_index_saved_in_float16_by_an_earlier_version_is_still_used(
     try:
         assert new.dense(q("a"), probe, 10) == expected
         assert sum(built) == 0
-        (index,) = [s.ann for s in new._slabs.values() if s.ann is not None]
+        (index,) = [s.ann for s in new._cache.slabs.values() if s.ann is not None]
         assert str(index.index.dtype) == "ScalarKind.F16"
         assert new.dense(q("b"), probe, 10)  # a scope indexed now: bfloat16
-        assert {str(s.ann.index.dtype) for s in new._slabs.values() if s.ann is not None} == {
+        assert {str(s.ann.index.dtype) for s in new._cache.slabs.values() if s.ann is not None} == {
             "ScalarKind.F16", "ScalarKind.BF16"}
     finally:
         new.close()

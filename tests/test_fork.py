@@ -98,7 +98,7 @@ def test_a_child_forked_while_a_parent_thread_held_the_caches_works(tmp_path: Pa
     assert mem.search("parent", user_id="u")
     store = mem._engine.store
     assert store._lex is not None  # the lexical index is in memory, as at every size
-    with store._lex_lock, store._slabs_lock, store._saver._lock:  # as a parent thread would
+    with store._lex_lock, store._cache.lock, store._saver._lock:  # as a parent thread would
         children = _fork(mem)
     _finish(children)
     assert len(mem.search("child 1 remembers", user_id="u", limit=30)) >= 10  # the parent too

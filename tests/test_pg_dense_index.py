@@ -72,8 +72,8 @@ def test_a_scope_above_the_ann_threshold_is_searched_in_process(
             # approximate: the exact scan's best first, and (nearly) its ten, scored exactly
             assert list(got)[:3] == list(want)[:3] and len(got.keys() & want.keys()) >= 9
             assert all(abs(got[m] - want[m]) < 1e-5 for m in got.keys() & want.keys())
-        slab = store._slabs[store._slab_key(Scope("u1"), "text")]
-        assert slab.n == 300 and slab.ann is not None and not store._large
+        slab = store._cache.slabs[store._cache.key(store._keys, Scope("u1"), "text")]
+        assert slab.n == 300 and slab.ann is not None and not store._cache.over
         assert sent and not any("<=>" in stmt for stmt in sent)  # pgvector's cosine distance
         # another process deletes the best hit: gone from the next search, though the index
         # still holds its key (the slab filters it)

@@ -417,7 +417,7 @@ def test_the_dense_cache_follows_writes_of_another_process(db: str) -> None:
             return [m for m, _ in got]
 
         assert same(first)[0] == records[0].id
-        assert cached._slabs  # it was answered from the cache
+        assert cached._cache.slabs  # it was answered from the cache
         put(writer, *records[30:], vectors=list(vectors[30:]))  # new keys
         assert same(late)[0] == records[35].id
         with writer.write() as tx:  # a delete leaves a tombstone
@@ -426,7 +426,7 @@ def test_the_dense_cache_follows_writes_of_another_process(db: str) -> None:
         with writer.write() as tx:  # an erase cascades to the keys: cleared in the cache too
             tx.erase([records[35].id])
         assert records[35].id not in same(late)
-        slab = cached._slabs[cached._slab_key(Scope("u1"), "text")]
+        slab = cached._cache.slabs[cached._cache.key(cached._keys, Scope("u1"), "text")]
         assert records[35].id not in {c.id for c in slab.cands if c is not None}
         episodic = {r.id for r in records if r.kind is Kind.EPISODIC}
         assert set(same(first, kinds=(Kind.EPISODIC,))) == episodic - {records[0].id, records[35].id}
@@ -465,10 +465,10 @@ def test_a_scope_larger_than_the_cache_limit_is_searched_in_the_database(
         put(store, *records[:10], vectors=list(vectors[:10]))
         ids = [m for m, _ in _search(tables, vectors[2])]
         assert [m for m, _ in _search(store, vectors[2])] == ids
-        assert store._slabs and not store._large
+        assert store._cache.slabs and not store._cache.over
         put(store, *records[10:], vectors=list(vectors[10:]))  # it grows past the limit
         assert _search(store, vectors[15]) == _search(tables, vectors[15])  # both in the database
-        assert store._large and not store._slabs
+        assert store._cache.over and not store._cache.slabs
         threads.clear()
         assert _search(store, vectors[7]) == _search(tables, vectors[7])
         assert threads and all(t.startswith("engram-pg-search") for t in threads)

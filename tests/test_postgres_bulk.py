@@ -118,7 +118,7 @@ def test_a_cached_scope_sees_a_bulk_insert(db: str) -> None:
         query = q(SCOPES[0])
         v = second[0][1][0].vector
         old = reader.pool(query, 50, vector=v, keys=["text"], terms=[])["text"]
-        assert reader._slabs  # the scope is cached
+        assert reader._cache.slabs  # the scope is cached
         with writer.write() as tx:
             tx.insert_many(second)
         new = reader.pool(query, 50, vector=v, keys=["text"], terms=[])["text"]
@@ -222,7 +222,7 @@ def test_a_cache_older_than_the_horizon_still_sees_every_deletion(small: str, ho
         v = np.ones(DIM, dtype=np.float32)
         found = reader.pool(query, 100, vector=v, keys=["text", "window"], terms=[])
         assert {i for i, _ in found["text"]} == set(mine)
-        held = dict(reader._slabs)
+        held = dict(reader._cache.slabs)
         assert len(held) == 2
         gone = mine[::3]
         with writer.write() as tx:  # tombstones the reader has not applied...
@@ -238,9 +238,9 @@ def test_a_cache_older_than_the_horizon_still_sees_every_deletion(small: str, ho
         found = reader.pool(query, 100, vector=v, keys=["text", "window"], terms=[])
         for key in ("text", "window"):
             assert {i for i, _ in found[key]} == set(mine) - set(gone)
-        with reader._slabs_lock:  # the scope was loaded afresh, and is cached again
-            assert all(reader._slabs[k] is not slab for k, slab in held.items())
-            assert len(reader._slabs) == 2
+        with reader._cache.lock:  # the scope was loaded afresh, and is cached again
+            assert all(reader._cache.slabs[k] is not slab for k, slab in held.items())
+            assert len(reader._cache.slabs) == 2
         assert {i for i, _ in reader.dense(query, v, 100)} == set(mine) - set(gone)
     finally:
         reader.close()

@@ -240,8 +240,8 @@ def test_an_erasure_removes_the_files_and_no_later_save_holds_it(tmp_path: Path)
         assert files(path) == [] and not any(names(s).values())
         # the other store's caches predate the erasure: never named again as they were...
         key = (SCOPE.user_id, SCOPE.agent_id, SCOPE.session_id, "text")
-        with other._slabs_lock:
-            other._save_slab(other._slabs[key], key)
+        with other._cache.lock:
+            other._save_slab(other._cache.slabs[key], key)
         other.wait_for_saves()
         assert files(path) == [] and not any(names(s).values())
         # ... and once caught up, saved again without it (by the erasing store)

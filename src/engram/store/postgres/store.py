@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import weakref
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, contextmanager
@@ -30,10 +30,11 @@ from ...threads import Threads
 from .. import bm25
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Select
-from ..index import dense, refresh
+from ..index import refresh
+from ..index.cache import DenseCache, Fetched
 from ..index.follow import LexicalChanges, LexicalFollower
 from ..index.lexicon import BATCH
-from ..index.slab import Slab, evict, unit
+from ..index.slab import Slab, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import schema, sql
 from .ann import IndexBuilds
@@ -128,14 +129,10 @@ class PostgresStore(SQLStore):
         self._vector: tuple[bytes, str] = (b"", "")  # the last query vector and its literal
         self._oid = 0  # pgvector's `vector` type, once a bulk insert has asked (_vector_oid)
         # The dense cache, shared with the stores of other tenants (keys start with the tenant)
-        self.cache_limit = cache_rows if cache_limit is None else cache_limit
-        self.ann_threshold = ann_threshold
-        self.cache_rows = cache_rows  # keys held over all scopes (ENGRAM_CACHE_ROWS)
-        self._slabs: OrderedDict[tuple[Any, ...], Slab] = OrderedDict()
-        self._slabs_lock = threading.Lock()    # the slabs' contents
-        self._keys = sql.KeyReads(tenant)      # the dense cache's reads
-        self._refresh_lock = threading.Lock()  # one refresh at a time: it appends by seq
-        self._large: dict[tuple[Any, ...], bool] = {}  # scopes known to exceed cache_limit
+        # (index/cache.py; cache_rows: keys held over all scopes, ENGRAM_CACHE_ROWS)
+        self._cache = DenseCache(cache_rows, ann_threshold,
+                                 cache_rows if cache_limit is None else cache_limit)
+        self._keys = sql.KeyReads(tenant)  # the dense cache's reads
         # per tenant, the versions last read, and whether they had changed (`_ahead`)
         self._seen: _Recent[tuple[int, int]] = _Recent(TENANT_HINTS)
         self._moving: _Recent[bool] = _Recent(TENANT_HINTS)
@@ -145,6 +142,17 @@ class PostgresStore(SQLStore):
             self._pool.close()  # the caller never gets the store to close
             self._tokenizer.close()
             raise
+
+    @property
+    def cache_limit(self) -> int:
+        """A scope of more keys than this is searched in the database, not the cache."""
+        assert self._cache.limit is not None
+        return self._cache.limit
+
+    @property
+    def ann_threshold(self) -> int:
+        """A cached scope of more keys than this is searched through its HNSW index."""
+        return self._cache.ann_threshold
 
     @classmethod
     def from_config(cls, config: Config, tenant: str = "") -> PostgresStore:
@@ -297,8 +305,7 @@ class PostgresStore(SQLStore):
                 self._sides.close()
                 self._ann_builds.close()
                 self._tokenizer.close()
-                with self._slabs_lock:
-                    self._slabs.clear()
+                self._cache.clear()
 
     def build_index(self, dim: int) -> bool:
         """Build the HNSW index of the keys of `dim` dimensions now, if it has no valid one
@@ -342,14 +349,11 @@ class PostgresStore(SQLStore):
         v = np.asarray(vector, dtype=np.float32).ravel()
         dim = int(v.shape[0])
         outside = getattr(self._local, "conn", None) is None  # inside a write: the tables
-        if outside and not self._large.get(self._slab_key(query.scope, key)):
+        if outside and not self._cache.over_limit(self._keys, query.scope, key):
             versions = refresh.versions(self._read(*self._keys.versions()))
-            slab = self._cache(query.scope, [key], dim, versions).get(key)
+            slab = self._cached(query.scope, [key], dim, versions).get(key)
             if slab is not None:
-                return dense.search_aside(slab, self._slabs_lock, query, unit(v), k,
-                                          lambda ids: self._visible(query, ids),
-                                          self.ann_threshold, self._slab_key(query.scope, key),
-                                          self._ann_builds.submit)
+                return self._search(query, key, slab, v, k)
         lit = self._literal(v)
         where, params = r.compile_query(self.dialect, query, self.tenant)
         source = sql.dense_source(dim, where)
@@ -434,7 +438,7 @@ class PostgresStore(SQLStore):
         dim = 0 if v is None else int(v.shape[0])
         remote: dict[str, Future[list[tuple[str, float]]]] = {}  # large scopes' keys
         for key in keys if v is not None else ():
-            if (self._large.get(self._slab_key(query.scope, key))
+            if (self._cache.over_limit(self._keys, query.scope, key)
                     and (future := self._sides.submit(self.dense, query, v, k, key)) is not None):
                 remote[key] = future  # (None: closing, searched here)
         try:
@@ -448,12 +452,12 @@ class PostgresStore(SQLStore):
             self._seen[self.tenant] = versions  # what `candidates` trusts next
             found: dict[str, list[tuple[str, float]]] = {}
             if v is not None:
-                fetched: Fetched = {}
+                fetched: dict[str, tuple[refresh.Mark, Sequence[Any]]] = {}
                 for name, (mark, reads) in ahead.items():
                     fetched[name] = (mark, rows[at:at + len(reads)])
                     at += len(reads)
                 local = [key for key in keys if key not in remote]
-                slabs = self._cache(query.scope, local, dim, versions, fetched)
+                slabs = self._cached(query.scope, local, dim, versions, fetched)
                 for key in keys:
                     slab = slabs.get(key)
                     if key in remote:
@@ -461,10 +465,7 @@ class PostgresStore(SQLStore):
                     elif slab is None:
                         found[key] = self.dense(query, v, k, key)
                     else:
-                        found[key] = dense.search_aside(
-                            slab, self._slabs_lock, query, unit(v), k,
-                            lambda ids: self._visible(query, ids), self.ann_threshold,
-                            self._slab_key(query.scope, key), self._ann_builds.submit)
+                        found[key] = self._search(query, key, slab, v, k)
             if terms:
                 hits = None
                 if follower is not None:
@@ -473,8 +474,7 @@ class PostgresStore(SQLStore):
                     def visible(ids: list[str]) -> set[str]:
                         if text is None:
                             return self._visible(query, ids)
-                        with self._slabs_lock:
-                            return text.visible_ids(query, ids)
+                        return self._cache.visible_ids(text, query, ids)
                     hits = self._lexicon_hits(follower, since, rows[1], query, terms, k,
                                               previous_weight, visible)
                     if hits is None:
@@ -483,16 +483,13 @@ class PostgresStore(SQLStore):
                 found["lexical"] = hits if hits is not None else \
                     [(row[0], float(row[1])) for row in rows[1]] if phrases else []
             if v is not None:  # a large scope's lists, from its HNSW index: completed
-                dense.complete({key: slabs.get(key) for key in keys if key not in remote},
-                               self._slabs_lock, v, k, self.ann_threshold, found)
+                self._cache.complete({key: slabs.get(key) for key in keys if key not in remote},
+                                     v, k, found)
             return found
         finally:
             wait(remote.values())  # never left running past the search
 
-    # -- the dense cache -------------------------------------------------------------------------
-
-    def _slab_key(self, scope: Scope, key_name: str) -> tuple[Any, ...]:
-        return (self.tenant, scope.user_id, scope.agent_id, scope.session_id, key_name)
+    # -- the dense cache (index/cache.py) ---------------------------------------------------------
 
     def _ahead(self, scope: Scope, names: Sequence[str],
                dim: int) -> dict[str, tuple[refresh.Mark, list[r.Stmt]]]:
@@ -503,119 +500,23 @@ class PostgresStore(SQLStore):
         used to make that second round trip."""
         if not self._moving.get(self.tenant):
             return {}
-        out = {}
-        with self._slabs_lock:
-            for name in names:
-                slab = self._slabs.get(self._slab_key(scope, name))
-                if slab is not None and slab.version >= 0 and slab.tomb_max >= 0 \
-                        and slab.mat.shape[1] == dim:
-                    out[name] = (refresh.Mark.of(slab), refresh.reads(
-                        self._keys, scope, name, dim, slab, attrs=True))
-        return out
+        return self._cache.ahead(self._keys, scope, names, dim)
 
-    def _cache(self, scope: Scope, names: Sequence[str], dim: int, versions: tuple[int, int],
-               fetched: Fetched | None = None) -> dict[str, Slab]:
+    def _cached(self, scope: Scope, names: Sequence[str], dim: int, versions: tuple[int, int],
+                fetched: Fetched | None = None) -> dict[str, Slab]:
         """The scope's slab of each key name, exact as of `versions` or later; a name is left
         out where the scope holds more than `cache_limit` keys. Stale slabs are refreshed
         together, in one round trip, or none with what `fetched` holds (see `_ahead`)."""
         self._seen[self.tenant] = versions
-        wanted = {name: self._slab_key(scope, name) for name in names}
-        wanted = {name: key for name, key in wanted.items() if not self._large.get(key)}
-        with self._slabs_lock:
-            held = {name: self._slabs.get(key) for name, key in wanted.items()}
-            for key in wanted.values():
-                if key in self._slabs:
-                    self._slabs.move_to_end(key)  # the least recently searched go first
-        fresh = {name: slab for name, slab in held.items() if slab is not None
-                 and slab.mat.shape[1] == dim and (slab.version, slab.rows_version) == versions}
-        if len(fresh) < len(wanted):
-            with self._refresh_lock:  # another thread may have refreshed them meanwhile
-                fresh = self._refresh(scope, {n: wanted[n] for n in wanted if n not in fresh},
-                                      dim, versions, fetched or {}) | fresh
-        return fresh
+        return self._cache.refresh(self._keys, scope, names, dim, versions, self._batch,
+                                   fetched=fetched)
 
-    def _refresh(self, scope: Scope, wanted: dict[str, tuple[Any, ...]], dim: int,
-                 versions: tuple[int, int], fetched: Fetched) -> dict[str, Slab]:
-        """Bring the slabs of `wanted` up to `versions` (index/refresh.py): new ones are
-        counted first (a scope too large to cache is never loaded), then all are read in one
-        batch, or none with what `fetched` holds for a slab whose mark it still is (no other
-        thread refreshed it meanwhile)."""
-        t = self.tenant
-        with self._slabs_lock:
-            slabs = {}
-            for name, key in wanted.items():
-                slab = self._slabs.get(key)
-                if slab is None or slab.mat.shape[1] != dim:
-                    slab = Slab(dim, rich=name == "text")
-                slabs[name] = slab
-        new = [name for name, slab in slabs.items() if slab.version < 0]
-        if new:
-            counts = self._batch([sql.count_keys(t, scope, name, dim, self.cache_limit + 1)
-                                  for name in new])
-            for name, rows in zip(new, counts, strict=True):
-                if rows[0][0] > self.cache_limit:
-                    self._mark_large(wanted[name])
-                    del slabs[name]
-        stale = {name: slab for name, slab in slabs.items()
-                 if (slab.version, slab.rows_version) != versions}
-        statements: list[r.Stmt] = []
-        got: dict[str, Sequence[Any]] = {}
-        planned: dict[str, int] = {}
-        for name, slab in stale.items():
-            ahead = fetched.get(name)
-            if ahead is not None and slab.version >= 0 and ahead[0] == refresh.Mark.of(slab):
-                got[name] = ahead[1]
-                continue
-            reads = refresh.reads(self._keys, scope, name, dim, slab,
-                                  attrs=slab.rows_version != versions[1])
-            planned[name] = len(reads)
-            statements += reads
-        results = iter(self._batch(statements) if statements else [])
-        for name, n in planned.items():
-            got[name] = [next(results) for _ in range(n)]
-        with self._slabs_lock:
-            applied = {name: refresh.apply(slab, self._keys, dim, got[name])
-                       for name, slab in stale.items()}
-        for name, slab in stale.items():  # a large load's later chunks, read unlocked
-            if applied[name] is not refresh.Applied.PRUNED:
-                refresh.rest(slab, self._keys, scope, name, dim, got[name],
-                             lambda stmt: self._read(*stmt), self._slabs_lock)
-        reload: dict[str, Slab] = {}
-        with self._slabs_lock:
-            for name, slab in stale.items():
-                done = applied[name]
-                if done is refresh.Applied.PRUNED:
-                    # what was deleted meanwhile is unknown: the slab goes, and the caller's
-                    # search loads the scope afresh
-                    del slabs[name]
-                    self._slabs.pop(wanted[name], None)
-                    continue
-                slab.version, slab.rows_version = versions
-                if done is refresh.Applied.RELOAD:
-                    slab.rows_version = -1  # not exact (nor trusted by others) until reloaded
-                    reload[name] = slab
-                if int(np.count_nonzero(slab.alive[:slab.n])) > self.cache_limit:
-                    self._mark_large(wanted[name])
-                    del slabs[name]
-                    self._slabs.pop(wanted[name], None)
-                    continue
-                self._slabs[wanted[name]] = slab
-                self._slabs.move_to_end(wanted[name])
-            evict(self._slabs, self.cache_rows, self._slab_key(scope, "")[:-1])
-        reload = {name: slab for name, slab in reload.items() if name in slabs}
-        if reload:
-            attrs = self._batch([self._keys.key_attrs(scope, name, dim, slab.max_seq, slab.rich)
-                                 for name, slab in reload.items()])
-            with self._slabs_lock:
-                for slab, rows in zip(reload.values(), attrs, strict=True):
-                    slab.reset_attrs(rows, self.dialect)
-                    slab.rows_version = versions[1]
-        return slabs
-
-    def _mark_large(self, key: tuple[Any, ...]) -> None:
-        if len(self._large) > 4096:
-            self._large.clear()  # scopes shrink too: count them again now and then
-        self._large[key] = True
+    def _search(self, query: Query, key: str, slab: Slab, v: np.ndarray,
+                k: int) -> list[tuple[str, float]]:
+        """A cached scope's dense search; a large one's HNSW index is built off the search."""
+        return self._cache.search(self._cache.key(self._keys, query.scope, key), slab, query,
+                                  unit(v), k, lambda ids: self._visible(query, ids),
+                                  build=self._ann_builds.submit)
 
     def _visible(self, query: Query, ids: Sequence[str]) -> set[str]:
         return set(self.read_ids(Select.of(query, ids=tuple(ids), order=None))) if ids else set()
@@ -625,15 +526,10 @@ class PostgresStore(SQLStore):
         last read (a search's pool costs no SQL); the rest from the table."""
         if query is None or not ids or getattr(self._local, "conn", None) is not None:
             return super().candidates(ids)
-        key = self._slab_key(query.scope, "text")
-        with self._slabs_lock:
-            slab = self._slabs.get(key)
-            if slab is None or (slab.version, slab.rows_version) != self._seen.get(self.tenant):
-                slab = None
-            else:
-                found, missing = slab.candidates(ids)
+        slab = self._cache.current(self._keys, query.scope, "text", self._seen.get(self.tenant))
         if slab is None:
             return super().candidates(ids)
+        found, missing = self._cache.candidates(slab, ids)
         if missing:
             found.update(super().candidates(missing))
         return found
@@ -798,10 +694,6 @@ class PostgresStore(SQLStore):
             self._pool.release(conn)
         for notice in skipped:
             log.warning("reclaim: %s", notice.message_primary)
-
-
-# Per key name: the mark a slab's reads were made from, and their rows (`_ahead`)
-Fetched = dict[str, tuple[refresh.Mark, Sequence[Any]]]
 
 
 class _Turn:
