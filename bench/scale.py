@@ -566,7 +566,7 @@ def measure_lexical(mem: Memory, user_id: str, n_queries: int, seed: int,
     store._slab(query, "text", dim)
     rss0 = rss_bytes()
     t0 = time.perf_counter()
-    with store._lex_lock:
+    with store._follower.lock:
         built = store._lexicon() is not None
     build = time.perf_counter() - t0
     assert built, "the database is below ENGRAM_LEXICON_THRESHOLD"

@@ -97,8 +97,8 @@ def test_a_child_forked_while_a_parent_thread_held_the_caches_works(tmp_path: Pa
     mem.add("the parent was here first", user_id="u")
     assert mem.search("parent", user_id="u")
     store = mem._engine.store
-    assert store._lex is not None  # the lexical index is in memory, as at every size
-    with store._lex_lock, store._cache.lock, store._saver._lock:  # as a parent thread would
+    assert store._follower.lexicon is not None  # the lexical index is in memory, as at every size
+    with store._follower.lock, store._cache.lock, store._saver._lock:  # as a parent thread would
         children = _fork(mem)
     _finish(children)
     assert len(mem.search("child 1 remembers", user_id="u", limit=30)) >= 10  # the parent too

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from ..model import (
     Scope,
     Session,
 )
+
+if TYPE_CHECKING:
+    from .index.follow import LexicalChanges
 
 
 @dataclass(frozen=True)
@@ -377,6 +380,12 @@ class Store(Protocol):
                 previous_weight: float = 0.5) -> list[tuple[str, float]]:
         """Visible memories matching any of `terms` by BM25 (higher is better), the
         `previous` column weighted by `previous_weight` against the body."""
+
+    def lexical_changes(self, since: int) -> LexicalChanges:
+        """What changed in the lexical documents after position `since` of the store's
+        change log (-1: every document), or every document when the log cannot be followed
+        from there (pruned past it, or an erasure since): what keeps an in-process lexicon
+        exact (index/follow.py). Positions grow in commit order."""
 
     def pool(self, query: Query, k: int, *, vector: np.ndarray | None, keys: Sequence[str],
              terms: Sequence[str], previous_weight: float = 0.5) -> dict[str, list[tuple[str, float]]]:

@@ -7,6 +7,9 @@ id on SQLite, `meta.lex_position` of the tenant on PostgreSQL), so a reader that
 position p has seen every change at or below it. Changes a log can no longer give (pruned
 past the position), or that erased a memory (its words must leave the process too), come as
 the whole set of documents instead, and the follower starts again from them.
+
+Both logs name memories, and the follower numbers its documents by memory (a document
+number is never another memory's), not by a row number a store may give again.
 """
 
 from __future__ import annotations
@@ -31,6 +34,18 @@ class LexicalDocument:
 
 
 @dataclass(frozen=True)
+class LexicalText:
+    """A memory's lexical document as texts, which the lexicon tokenises itself with FTS5's
+    tokenizer (as the SQLite store's `memory_fts` holds it: tokenising a batch in FTS5 at
+    once is much faster than per document in Python)."""
+
+    id: str
+    body: str     # the text
+    context: str  # the previous turn
+    owner: str    # its scope's tokens (bm25.scope_tokens), separated by spaces
+
+
+@dataclass(frozen=True)
 class LexicalChanges:
     """What changed in a store's lexical documents after position `since`, up to `position`.
 
@@ -42,7 +57,8 @@ class LexicalChanges:
     since: int
     position: int
     changed: Sequence[str] = ()
-    documents: Iterable[LexicalDocument] = ()  # read once (a whole set may come in batches)
+    documents: Iterable[LexicalDocument | LexicalText] = ()  # read once (a whole set may
+    # come in batches)
     whole: bool = False
 
 
@@ -89,10 +105,23 @@ class LexicalFollower:
         rids = self._rids
         documents = iter(changes.documents)
         while batch := list(islice(documents, BATCH)):
-            lex.add_tokens([(rids.setdefault(d.id, len(rids)), d.id, d.body, d.context, d.scope)
-                            for d in batch])
+            texts = [(rids.setdefault(d.id, len(rids)), d.id, d.body, d.context, d.owner)
+                     for d in batch if isinstance(d, LexicalText)]
+            tokens = [(rids.setdefault(d.id, len(rids)), d.id, d.body, d.context, d.scope)
+                      for d in batch if isinstance(d, LexicalDocument)]
+            if texts:
+                lex.add(texts)
+            if tokens:
+                lex.add_tokens(tokens)
         lex.version = changes.position
         return lex
+
+    def hold(self, lexicon: Lexicon) -> None:
+        """Follow `lexicon` from its position: one this class built (its documents numbered
+        by memory), saved and loaded again. Call with `lock` held."""
+        self.drop()
+        self.lexicon = lexicon
+        self._rids = dict(zip(lexicon.ids, lexicon.rids[:lexicon.n].tolist(), strict=True))
 
     def take(self, other: LexicalFollower) -> bool:
         """Hold `other`'s lexicon (built aside, while searches used this one) unless this one

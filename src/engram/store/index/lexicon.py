@@ -17,15 +17,17 @@ log; both stores share it):
 * a document's length counts all three columns (the scope tokens too), as FTS5's does, and the
   scope of a search is the documents holding all its scope tokens, as in the SQL MATCH.
 
-It follows the database exactly: every change to `memory_fts` logs the row in `lex_log` (in
-the same transaction, by triggers on `memories`: schema.py), and a search first applies the
-log entries past the ones it has seen (any process may have written them): the row's old
-document dies, its current content (if any) is indexed again. New documents go to small
-segments, merged when they are many; a quarter dead rebuilds the whole index.
+It follows the database exactly (index/follow.py): every change to a memory's document is
+logged in `lex_log` in the writing transaction (by triggers on `memories`: schema.py), naming
+the memory, and a search first applies the entries past the ones it has seen (any process may
+have written them): the memory's old document dies, its current one (if any) is indexed again.
+Documents are numbered by memory (`rids`), never by a row number a database may give again.
+New documents go to small segments, merged when they are many; a quarter dead rebuilds the
+whole index.
 
-The log stays bounded (`prune_log`, on every write): past `keep` entries the older half is
-deleted and `meta.lex_horizon` records the last id gone. An index older than the horizon
-cannot replay what it missed: it is loaded from its file or built again.
+The log stays bounded (sqlite/lexlog.py `prune_log`, on every write): past `keep` entries the
+older half is deleted and `meta.lex_horizon` records the last id gone. An index older than the
+horizon cannot replay what it missed: it is loaded from its file or built again.
 
 Its file (`save` / `load`) lets a new process start from the index instead of building it
 (a minute at 1M rows), then catch up through the log. The file is a cache, trusted only
@@ -73,14 +75,15 @@ class Ranked:
         return list(compress(zip(self.ids, self.scores, strict=True), map(seen.__contains__, self.ids)))
 
 
-Doc = tuple[int, str, str, str, str]  # (rid, memory id, body, context, owner) of a memory_fts row
-# (rid, memory id, tokens of the body, of the context, of the scope): a document already tokenised
+# (number, memory id, body, context, owner): a document as texts (a memory_fts row's columns)
+Doc = tuple[int, str, str, str, str]
+# (number, memory id, tokens of the body, of the context, of the scope): one already tokenised
 Tokens = tuple[int, str, Sequence[str], Sequence[str], Sequence[str]]
 MAX_SEGMENTS = 8
 MAX_DEAD = 0.25
 BATCH = 20_000       # documents tokenised at once while building
 MAGIC = b"engram-lexicon\n\x00"  # the first 16 bytes of a saved index
-FORMAT = 1
+FORMAT = 2  # 2: documents numbered by memory (index/follow.py), no longer by memory_fts rowid
 
 log = logging.getLogger("engram.store")
 
@@ -171,15 +174,15 @@ class Lexicon:
         self.query_tokens = Tokenizer() if tokenizer is None else tokenizer
         self.vocab: dict[str, int] = {}
         self.segments: list[Segment] = []
-        self.rids = np.zeros(0, dtype=np.int64)   # per document: its memory_fts rowid
+        self.rids = np.zeros(0, dtype=np.int64)   # per document: its number (one per memory)
         self.lens = np.zeros(0, dtype=np.float64)  # its tokens, all three columns
         self.alive = np.zeros(0, dtype=bool)
         self.ids: list[str] = []                   # its memory's id
-        self.doc_of = np.zeros(0, dtype=np.int32)  # per rowid: its live document, or -1
+        self.doc_of = np.zeros(0, dtype=np.int32)  # per number: its live document, or -1
         self.n = 0
         self.count = 0      # live documents: FTS5's N
         self.total = 0.0    # their tokens: N * avgdl
-        self.version = -1   # the last lex_log id applied; -1: not built
+        self.version = -1   # the log position it is exact as of; -1: not built
         self.erasures = 0   # meta.erasures when built: an erasure since drops it (its words)
         self.saved = -1     # the version last saved to (or loaded from) its file
         self._scopes: dict[tuple[str, ...], tuple[tuple[int, int], np.ndarray | None]] = {}
@@ -315,14 +318,14 @@ class Lexicon:
         self.total -= float(self.lens[docs].sum())  # whole numbers: exact in any order
 
     def remove(self, rids: Sequence[int]) -> None:
-        """The documents of these rows are gone (deleted, or about to be indexed again)."""
+        """The documents of these numbers are gone (deleted, or about to be indexed again)."""
         held = np.array([rid for rid in rids if rid < len(self.doc_of)], dtype=np.int64)
         self._kill_docs(self.doc_of[held])
         self.doc_of[held] = -1
         self._scopes.clear()
 
     def _map(self, top: int) -> None:
-        """Room in `doc_of` for rowids up to `top`."""
+        """Room in `doc_of` for numbers up to `top`."""
         if top >= len(self.doc_of):
             grown = np.full(max(top + 1, 2 * len(self.doc_of)), -1, dtype=np.int32)
             grown[:len(self.doc_of)] = self.doc_of

@@ -1,9 +1,14 @@
-"""The SQLite side of the lexicon's change log: `lex_log` (every changed `memory_fts` row, logged
-by triggers: schema.py), its position and horizon, and its pruning inside a write."""
+"""The SQLite side of the lexicon's change log: `lex_log` (each memory whose lexical document a
+write changed, and whether it was erased, logged by triggers: schema.py), its position and
+horizon, the changes past a position (index/follow.py), and its pruning inside a write."""
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from ..index.follow import LexicalChanges
 
 LOG_KEEP = 100_000   # lex_log entries kept (then the older half goes): `prune_log`
 
@@ -14,7 +19,19 @@ STATE = ("SELECT max((SELECT coalesce(max(id), 0) FROM lex_log), h.value), "
          "(SELECT value FROM meta WHERE name = 'erasures'), "
          "(SELECT value FROM meta WHERE name = 'lex_file') "
          "FROM meta h WHERE h.name = 'lex_horizon'")
-HORIZON = "SELECT value FROM meta WHERE name = 'lex_horizon'"
+ENTRIES = "SELECT id, memory_id, erased FROM lex_log WHERE id > ? ORDER BY id"
+
+
+def changes(since: int, position: int, horizon: int,
+            entries: Sequence[Sequence[Any]]) -> LexicalChanges | None:
+    """The `ENTRIES` past `since` as changes, without their documents (the store reads them);
+    None when the log cannot be followed from `since`: pruned past it, behind it (another
+    file in its place), or an erasure among them (its words must leave the process)."""
+    if since < 0 or horizon > since or position < since or any(e[2] for e in entries):
+        return None
+    if not entries:
+        return LexicalChanges(since, since)
+    return LexicalChanges(since, entries[-1][0], changed=list(dict.fromkeys(e[1] for e in entries)))
 
 
 def prune_log(conn: sqlite3.Connection, keep: int) -> None:

@@ -231,6 +231,31 @@ MIGRATIONS: list[tuple[str, list[Step]]] = [
            BEGIN UPDATE meta SET value = value + 1 WHERE name = 'rows_version';
            UPDATE memories SET changed = (SELECT value FROM meta WHERE name = 'rows_version')
            WHERE rid = new.rid; END""",
+    ]),    # `lex_log` names the memory whose lexical document changed, and whether it was erased, as
+    # PostgreSQL's does (the lexicon follows both the same way: index/follow.py). It named the
+    # `memory_fts` rowid, which is `memories.rid`: SQLite gives a rid again once the highest
+    # row is deleted, so an entry could stand for two memories (an erasure's rebuild covered
+    # it). The old entries cannot be read by memory: the log starts empty past them (the
+    # horizon moves to the last, the ids go on after it, so no position is given twice), and
+    # the saved lexicon (numbered by rowid) is unnamed: it is built again.
+    ("0010_lexicon_log_ids", [
+        "DROP TRIGGER memories_lex_insert",
+        "DROP TRIGGER memories_lex_update",
+        "DROP TRIGGER memories_lex_delete",
+        "UPDATE meta SET value = max(value, (SELECT coalesce(max(id), 0) FROM lex_log)) "
+        "WHERE name = 'lex_horizon'",
+        "DROP TABLE lex_log",
+        "CREATE TABLE lex_log (id INTEGER PRIMARY KEY AUTOINCREMENT, memory_id TEXT NOT NULL, "
+        "erased INTEGER NOT NULL DEFAULT 0)",
+        "INSERT INTO sqlite_sequence(name, seq) SELECT 'lex_log', value FROM meta "
+        "WHERE name = 'lex_horizon'",
+        "UPDATE meta SET value = 0 WHERE name = 'lex_file'",
+        "CREATE TRIGGER memories_lex_insert AFTER INSERT ON memories "
+        "BEGIN INSERT INTO lex_log(memory_id) VALUES (new.id); END",
+        "CREATE TRIGGER memories_lex_update AFTER UPDATE OF text, deleted_at ON memories "
+        "BEGIN INSERT INTO lex_log(memory_id) VALUES (new.id); END",
+        "CREATE TRIGGER memories_lex_delete AFTER DELETE ON memories "
+        "BEGIN INSERT INTO lex_log(memory_id, erased) VALUES (old.id, 1); END",
     ]),
 ]
 

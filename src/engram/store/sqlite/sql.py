@@ -84,13 +84,15 @@ def index_text(rid: int, scope: Scope, body: str, previous: str) -> r.Stmt:
             [rid, body, previous, " ".join(owner_tokens(scope))])
 
 
-def fts_rows(rids: Sequence[int] | None = None) -> r.Stmt:
-    """memory_fts rows (all, or these rowids) as the lexicon indexes them."""
-    sel = ("SELECT f.rowid, m.id, f.body, f.context, f.owner FROM memory_fts f "
-           "JOIN memories m ON m.rid = f.rowid")
-    if rids is None:
-        return sel, []
-    return f"{sel} WHERE f.rowid IN ({DIALECT.marks(len(rids))})", list(rids)
+def lexical_documents(ids: Sequence[str] | None = None) -> r.Stmt:
+    """The lexical documents (index/follow.py `LexicalText`) of every memory indexed, or of
+    these memories: their memory_fts row."""
+    if ids is None:
+        return ("SELECT m.id, f.body, f.context, f.owner FROM memory_fts f "
+                "JOIN memories m ON m.rid = f.rowid"), []
+    return ("SELECT m.id, f.body, f.context, f.owner FROM memories m "
+            f"JOIN memory_fts f ON f.rowid = m.rid WHERE m.id IN ({DIALECT.marks(len(ids))})",
+            list(ids))
 
 
 def _varints(block: bytes) -> list[int]:

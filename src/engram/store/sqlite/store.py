@@ -34,7 +34,8 @@ from ..base import Candidate, Key, Lexical, Query, Seen, Select
 from ..bm25 import Tokenizer
 from ..index import ann, lexicon
 from ..index.cache import DenseCache, Follow
-from ..index.lexicon import MAX_DEAD, Lexicon
+from ..index.follow import LexicalChanges, LexicalFollower, LexicalText
+from ..index.lexicon import BATCH, Lexicon
 from ..index.slab import Slab, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import lexlog, schema, sql
@@ -87,8 +88,7 @@ class SQLiteStore(SQLStore):
             self._slab_dir = self.path.parent / f"{self.path.name}.slabs"
         self.lexicon_threshold = lexicon_threshold
         self.lexicon_log = lexicon_log
-        self._lex: Lexicon | None = None
-        self._lex_lock = threading.Lock()
+        self._follower = LexicalFollower()  # the lexicon, kept exact by `lexical_changes`
         self.busy_timeout_s = busy_timeout_s
         self._db = Connections(self.path, busy_timeout_s=busy_timeout_s, key=key)
         self._local = threading.local()  # .dirty: this thread's open write changed keys
@@ -146,8 +146,8 @@ class SQLiteStore(SQLStore):
         save) would never be released here, and what it guarded may be half-changed: such a
         lock is replaced and its state dropped (loaded again on use). The threads stay the
         parent's: the child starts its own (threads.py)."""
-        if self._lex_lock.locked():
-            self._lex_lock, self._lex = threading.Lock(), None
+        if self._follower.lock.locked():
+            self._follower = LexicalFollower()
         self._helper_free = threading.Semaphore(1)  # a parent's search may have held it
         # the parent's to write
         self._counts, self._counts_due, self._counts_lock = [], False, threading.Lock()
@@ -161,10 +161,8 @@ class SQLiteStore(SQLStore):
             self._apply_counts()
         except Exception as exc:  # a hint for forgetting: closing goes on
             log.warning("access counts not written at close: %s", exc)
-        with self._lex_lock:
-            if self._lex is not None:
-                self._lex.close()
-                self._lex = None
+        with self._follower.lock:
+            self._follower.drop()
         self._db.close()
 
     @contextmanager
@@ -187,10 +185,8 @@ class SQLiteStore(SQLStore):
         """Drop the ANN indexes, in memory and on disk: they may hold an erased memory's
         vectors (they are rebuilt from the table by the next large search); and the lexical
         index, whose vocabulary may hold its words."""
-        with self._lex_lock:
-            if self._lex is not None:
-                self._lex.close()
-                self._lex = None
+        with self._follower.lock:
+            self._follower.drop()
             self._forget_lexicon_files()
         def forget_files() -> None:
             ann.forget_files(self._ann_dir)
@@ -489,7 +485,7 @@ class SQLiteStore(SQLStore):
             return []
         # Not inside a write: its changes may yet roll back (FTS5 sees them, and answers).
         if not self._db.get().in_transaction:
-            with self._lex_lock:
+            with self._follower.lock:
                 lex = self._lexicon()
                 hits = None if lex is None else lex.search(
                     terms, sql.owner_tokens(query.scope), k, previous_weight,
@@ -503,56 +499,89 @@ class SQLiteStore(SQLStore):
             return sql.lexical_hits(rows, tokenizer, terms, k, previous_weight)
 
     def _lexicon(self) -> Lexicon | None:
-        """The in-memory lexical index, brought up to date with `lex_log`; None while the
-        database is small. Held in memory, else loaded from its file, else built (and saved).
-        Call with `_lex_lock` held."""
-        (last, block, horizon, erasures, named), = self._read(lexlog.STATE)
-        lex = self._lex
-        if lex is None and sql.fts_row_count(block) <= self.lexicon_threshold:
-            return None
-        # An erasure since it was built: its vocabulary may hold the erased words.
-        if lex is not None and (lex.erasures != erasures or not self._catch_up(lex, last)):
-            lex.close()
-            lex = self._lex = None
-        if lex is None and named and self._lex_path is not None and not self._db.encrypted:
-            lex = Lexicon.load(self._lex_path, named)
-            if lex is not None and not (lex.erasures == erasures and horizon <= lex.version <= last
-                                        and self._catch_up(lex, last)):
-                lex.close()
-                lex = None
-            if lex is not None:
-                log.info("loaded the lexical index over %d rows", lex.count)
-        if lex is None:
-            # the log first: a row written in between is read here and again from the log
-            lex = Lexicon()
-            lex.version, lex.erasures = last, erasures
-            lex.add(self._read(*sql.fts_rows()))
+        """The in-memory lexical index, brought up to date with `lex_log` (index/follow.py);
+        None while the database is small. Held in memory, else loaded from its file, else
+        built (and saved). Call with the follower's lock held."""
+        f = self._follower
+        with self._snapshot() as conn:
+            (position, block, horizon, erasures, named), = conn.execute(lexlog.STATE).fetchall()
+            if f.lexicon is None and sql.fts_row_count(block) <= self.lexicon_threshold:
+                return None
+            if f.stale():
+                f.drop()  # mostly dead: built again
+            loaded = False
+            if f.lexicon is None and named and self._lex_path is not None \
+                    and not self._db.encrypted:
+                lex = Lexicon.load(self._lex_path, named)
+                # one saved before an erasure is never named: this is a second guard
+                if lex is not None and lex.erasures == erasures:
+                    f.hold(lex)
+                    loaded = True
+                elif lex is not None:
+                    lex.close()
+            with self._changes(conn, f.position, position, horizon) as changes:
+                lex = f.apply(changes)
+        assert lex is not None  # changes from its own position, or every document
+        if changes.whole:
+            lex.erasures = erasures  # as of the snapshot its documents were read from
             log.info("built the lexical index over %d rows", lex.count)
             self._save_lexicon(lex)
-        elif lex.version - lex.saved > self.lexicon_log // 4:
-            self._save_lexicon(lex)  # keep the file within the log's reach
-        self._lex = lex
+        else:
+            if loaded:
+                log.info("loaded the lexical index over %d rows", lex.count)
+            if lex.version - lex.saved > self.lexicon_log // 4:
+                self._save_lexicon(lex)  # keep the file within the log's reach
         return lex
 
-    def _catch_up(self, lex: Lexicon, last: int) -> bool:
-        """Apply the log past `lex.version`; False if it can no longer be followed (pruned
-        past it) or is mostly dead: then it is rebuilt."""
-        if lex.version == last:
-            return True
-        changed = self._read("SELECT id, rid FROM lex_log WHERE id > ? ORDER BY id",
-                             [lex.version])
-        # read after the entries: a prune past `version` before or while they were read
-        (horizon,), = self._read(lexlog.HORIZON)
-        if horizon > lex.version:
-            return False
-        if changed:
-            rids = sorted({row[1] for row in changed})
-            lex.remove(rids)
-            chunk = self.dialect.chunk
-            lex.add([row for i in range(0, len(rids), chunk)
-                     for row in self._read(*sql.fts_rows(rids[i:i + chunk]))])
-            lex.version = changed[-1][0]
-        return lex.dead_share() <= MAX_DEAD
+    def lexical_changes(self, since: int) -> LexicalChanges:
+        """What changed in the lexical documents after log position `since` (-1: every
+        document), from `lex_log`, in one snapshot; every document again when the log cannot
+        be followed from there (pruned past it, or an erasure since). Documents come as
+        `LexicalText` (the lexicon tokenises them with FTS5's tokenizer)."""
+        with self._snapshot() as conn:
+            (position, _, horizon, _, _), = conn.execute(lexlog.STATE).fetchall()
+            with self._changes(conn, since, position, horizon) as changes:
+                return replace(changes, documents=list(changes.documents))
+
+    @contextmanager
+    def _changes(self, conn: sqlite3.Connection, since: int, position: int,
+                 horizon: int) -> Iterator[LexicalChanges]:
+        """`lexical_changes` on an open snapshot, whose documents are read while the block
+        runs (every document of a large file comes in batches, never all at once)."""
+        entries = conn.execute(lexlog.ENTRIES, [since]).fetchall() \
+            if 0 <= since < position else []
+        changes = lexlog.changes(since, position, horizon, entries)
+        if changes is None:
+            cur = conn.execute(*sql.lexical_documents())
+            try:
+                yield LexicalChanges(-1, position, documents=(
+                    LexicalText(*row) for rows in iter(lambda: cur.fetchmany(BATCH), [])
+                    for row in rows), whole=True)
+            finally:
+                cur.close()
+            return
+        chunk = self.dialect.chunk
+        ids = list(changes.changed)
+        yield replace(changes, documents=[
+            LexicalText(*row) for i in range(0, len(ids), chunk)
+            for row in conn.execute(*sql.lexical_documents(ids[i:i + chunk]))])
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection in a read transaction: its reads see one state of the
+        file (inside this thread's write, that write's)."""
+        conn = self._db.get()
+        if conn.in_transaction:
+            yield conn
+            return
+        try:
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                conn.execute("COMMIT")  # it wrote nothing
+        except DB_ERRORS as exc:
+            raise StoreError(f"{self._db.label}: {exc}") from exc
 
     def _save_lexicon(self, lex: Lexicon) -> None:
         """Save the index's file and name it in the database (`meta.lex_file`): `_save_cache`,
@@ -577,7 +606,7 @@ class SQLiteStore(SQLStore):
         once its dense keys are done: the check reads the `text` cache, whose lock the dense
         search holds throughout, and waiting for it here made the lexical side 4 ms longer at
         1M in one scope."""
-        with self._lex_lock:
+        with self._follower.lock:
             lex = self._lexicon()
             return None if lex is None else lex.ranked(
                 terms, sql.owner_tokens(query.scope), lexicon.first_pool(k), previous_weight)
