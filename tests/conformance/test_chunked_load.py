@@ -101,3 +101,29 @@ def test_a_search_sees_every_key_of_a_scope_loaded_in_chunks(
         assert {m for m, _ in found} == {r.id for r in [*live, *late]}
     finally:
         other.close()
+
+
+
+
+def test_a_slab_reserved_for_its_count_fills_in_place() -> None:
+    """Its arrays are not copied while the rows fit (PostgreSQL's new slabs are counted
+    first), and grow as before past them."""
+    rng = np.random.default_rng(5)
+    vecs = rng.normal(size=(30, DIM)).astype(np.float32)
+
+    def add(slab: Slab, at: int) -> None:
+        slab.append(list(range(at + 1, at + 6)), [f"m{i}" for i in range(at, at + 5)],
+                    vecs[at:at + 5], [("episodic", None, None, None)] * 5)
+    grown, reserved = Slab(DIM), Slab(DIM)
+    reserved.reserve(25)
+    mat = reserved.mat
+    for at in range(0, 25, 5):
+        add(grown, at)
+        add(reserved, at)
+    assert reserved.mat is mat and len(reserved.seqs) == 25
+    add(grown, 25)
+    add(reserved, 25)
+    assert reserved.mat is not mat and reserved.n == 30
+    assert np.array_equal(grown.mat[:30], reserved.mat[:30])
+    assert np.array_equal(grown.seqs[:30], reserved.seqs[:30])
+    assert grown.memory_ids == reserved.memory_ids

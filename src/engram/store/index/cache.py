@@ -183,6 +183,8 @@ class DenseCache:
                 if rows[0][0] > self.limit:
                     self._mark_over(wanted[name])
                     del held[name]
+                else:
+                    held[name].reserve(rows[0][0])
         stale = {name: slab for name, slab in held.items()
                  if not _follows(slab, versions, follow)}
         statements: list[Stmt] = []

@@ -87,8 +87,15 @@ class Slab:
         self.changes = 0        # counts the changes to its rows (added, killed, attributes)
         self.ann_at = -1        # `changes` when `ann` was last brought up to date
 
-    def _grow(self, need: int) -> None:
-        cap = max(need, 2 * len(self.seqs))
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` rows in all (a new slab whose count is known): a large first load
+        then fills its arrays in place, where doubling them as chunks come would copy each
+        one at every step and leave up to half of it unused."""
+        if rows > len(self.seqs):
+            self._grow(rows, rows)
+
+    def _grow(self, need: int, cap: int = 0) -> None:
+        cap = cap or max(need, 2 * len(self.seqs))
         self.mat = np.resize(self.mat, (cap, self.mat.shape[1]))
         for name in ("seqs", "codes", "alive", "ok", "kind", *TIMES):
             setattr(self, name, np.resize(getattr(self, name), cap))
