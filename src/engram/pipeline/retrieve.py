@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import InvalidInput
 from ..store.base import Candidate
 from .revisions import _on_demand, announces_change, asks_past, asks_span, newest_wins, topic_words
-from .text import non_ascii, terms
+from .text import STOP_WORDS, non_ascii, terms
 
 
 @dataclass(frozen=True)
@@ -239,18 +239,37 @@ _TIME_WORDS = re.compile(
 
 
 def lexical_terms(query: str, user_id: str | None = None) -> list[str]:
-    """The lexical query: the question's content words, but for the scope's own user named in
-    it. Within a user's scope every memory is about that user, and their own messages say "I":
-    the name ("Ana" in "Where does Ana live?", scoped to user "ana") discriminates nothing, yet
-    BM25 would reward the memories that happen to spell it (third-person facts) over the
-    user's own statements. A user id of one word is taken as their name; a question that is
-    nothing but the name keeps it."""
-    asked = terms(query)
+    """The lexical query: the question's content words (a noun's possessive as the noun, see
+    `as_nouns`), but for the scope's own user named in it. Within a user's scope every memory
+    is about that user, and their own messages say "I": the name ("Ana" in "Where does Ana
+    live?", scoped to user "ana"; "Ana's" too) discriminates nothing, yet BM25 would reward
+    the memories that happen to spell it (third-person facts) over the user's own statements.
+    A user id of one word is taken as their name; a question that is nothing but the name
+    keeps it."""
+    asked = terms(as_nouns(query))
     own = terms(user_id) if user_id else []
     if len(own) != 1:
         return asked
-    rest = [w for w in asked if w != own[0]]
+    rest = [w for w in asked if w not in (own[0], f"{own[0]}'s")]
     return rest or asked
+
+
+_POSSESSIVE = re.compile(r"(?<![^\W_])([^\W_]+)['’]s(?![^\W_])")
+
+
+def as_nouns(query: str) -> str:
+    """The question with each common noun's possessive as the noun: "What's my partner's
+    name?" asks about "my partner", which is what a memory says, while the index reads
+    "partner's" as the phrase `partner s`, held only by texts that spell the possessive. A
+    name's possessive ("Melanie's family", capitalised) stays as written: a turn's lexical
+    document begins with its speaker's name, so the name as a word would match every turn she
+    speaks (the speaker adjustment reads the name already), where the possessive matches the
+    texts that speak of what is hers. Contractions that are stop words ("it's", "let's") stay
+    as they are (and are left out)."""
+    def noun(m: re.Match[str]) -> str:
+        whole = m[0].replace("’", "'").casefold()
+        return m[1] if m[1].islower() and whole not in STOP_WORDS else m[0]
+    return _POSSESSIVE.sub(noun, query)
 
 
 def asks_when(query: str) -> bool:
