@@ -193,11 +193,12 @@ def speaker_text(name: str, text: str) -> str:
 
 # -- filling -------------------------------------------------------------------------------
 
-def rss_bytes() -> int:
-    """This process's resident memory now (Linux /proc; else the peak, from getrusage)."""
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory now (Linux /proc; else the peak, from getrusage), or
+    with `field` "VmHWM" its peak so far."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -398,12 +399,14 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
     # the first search loads the caches and builds the indexes: time the builds apart
     builds: dict[str, float] = defaultdict(float)
     undo_builds = _instrument_builds(mem, builds)
+    rss_before = rss_bytes()
     t0, c0 = time.perf_counter(), time.process_time()
     try:
         mem.search(qs[0], user_id=user_id, limit=10)
     finally:
         undo_builds()
     first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
+    rss_first, peak_first = rss_bytes(), rss_bytes("VmHWM")
     for q in qs[1:warmup]:
         mem.search(q, user_id=user_id, limit=10)
     # what the first search left to the store's background thread (SQLite: saving the caches
@@ -457,7 +460,8 @@ def measure_search(mem: Memory, user_id: str, n_queries: int, seed: int,
         breakdown["lexical"] = 1000 * pooled["round trip"] / len(lat)
     return {
         "queries": len(lat), "first_ms": 1000 * first, "first_cpu_ms": 1000 * first_cpu,
-        "builds_s": dict(builds),
+        "builds_s": dict(builds), "rss_before_first": rss_before, "rss_after_first": rss_first,
+        "rss_peak_first": peak_first, "rss_peak": rss_bytes("VmHWM"),
         "p50_ms": 1000 * statistics.median(lat), "p95_ms": 1000 * _p95(lat),
         "p50_ms_no_embed": 1000 * statistics.median(bare), "p95_ms_no_embed": 1000 * _p95(bare),
         "mean_ms": 1000 * total / len(lat), "cpu_mean_ms": 1000 * cpu / len(lat),
@@ -877,8 +881,7 @@ def main() -> None:
                          "(default: the store's; a huge number keeps every search on SQL BM25)")
     ap.add_argument("--pg-statement-timeout", type=float,
                     help="PostgreSQL: the store's statement timeout in seconds (default: the "
-                         "store's, 60; the first search of a 1M scope loads its keys in one "
-                         "statement, which a busy machine runs past it)")
+                         "store's, 60)")
     ap.add_argument("--pg-maintenance-mem", default="4GB",
                     help="PostgreSQL: maintenance_work_mem of the HNSW build after a bulk fill")
     ap.add_argument("--pg-shared-buffers", default="2GB",
