@@ -22,6 +22,7 @@ from .test_store import DIM, U1, put, q, rec
 # The other process: opens the same database, changes one memory, and exits.
 OTHER = """
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime
 
 kind, where, mid, what = sys.argv[1:5]
