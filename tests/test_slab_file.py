@@ -158,7 +158,7 @@ def test_a_saved_cache_loads_and_searches_the_same_and_catches_up(
 
 
 def _text_file(store: SQLiteStore) -> Path:
-    where = store._slab_file((SCOPE.user_id, SCOPE.agent_id, SCOPE.session_id, "text"))
+    where = store._slab_files.where((SCOPE.user_id, SCOPE.agent_id, SCOPE.session_id, "text"))
     assert where is not None
     return where[0]
 
@@ -241,7 +241,7 @@ def test_an_erasure_removes_the_files_and_no_later_save_holds_it(tmp_path: Path)
         # the other store's caches predate the erasure: never named again as they were...
         key = (SCOPE.user_id, SCOPE.agent_id, SCOPE.session_id, "text")
         with other._cache.lock:
-            other._save_slab(other._cache.slabs[key], key)
+            other._slab_files.save(other._cache.slabs[key], key)
         other.wait_for_saves()
         assert files(path) == [] and not any(names(s).values())
         # ... and once caught up, saved again without it (by the erasing store)

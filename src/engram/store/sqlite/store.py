@@ -7,13 +7,11 @@ has changed it; a stale cache entry is caught by re-checking candidates against 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import secrets
 import sqlite3
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import wait
@@ -28,7 +26,6 @@ import numpy as np
 from ...errors import StoreError
 from ...model import Job, JobStatus, MemoryRecord
 from ...threads import Threads
-from .. import cachefile
 from .. import records as r
 from ..base import Candidate, Key, Lexical, Query, Seen, Select
 from ..bm25 import Tokenizer
@@ -40,11 +37,10 @@ from ..index.slab import Slab, unit
 from ..sqlstore import Run, SQLStore, SQLTx
 from . import lexlog, schema, sql
 from .conn import DB_ERRORS, Connections, is_busy
+from .slabfiles import SlabFiles
 
 log = logging.getLogger("engram.store")
 
-SLAB_MAGIC = b"engram-slab\n\x00\x00\x00\x00"  # the first 16 bytes of a saved dense cache
-SLAB_FORMAT = 2  # the saved layout; 2: the candidates carry their role
 COUNTS_EVERY_S = 0.2  # how often the background thread writes the access counts of searches
 # How long a read waits for the write turn to write the counts pending first (and see them):
 # this process's short writes (an add, a cache file named), not a long one.
@@ -80,12 +76,10 @@ class SQLiteStore(SQLStore):
         self.path = Path(path)
         self._ann_dir: Path | None = None
         self._lex_path: Path | None = None
-        self._slab_dir: Path | None = None
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._ann_dir = self.path.parent / f"{self.path.name}.ann"
             self._lex_path = self.path.parent / f"{self.path.name}.lexicon"
-            self._slab_dir = self.path.parent / f"{self.path.name}.slabs"
         self.lexicon_threshold = lexicon_threshold
         self.lexicon_log = lexicon_log
         self._follower = LexicalFollower()  # the lexicon, kept exact by `lexical_changes`
@@ -103,6 +97,11 @@ class SQLiteStore(SQLStore):
         self._counts_due = False  # the background thread is to write them
         self._counts_lock = threading.Lock()
         self._closing = threading.Event()  # set by `close`: no more background work
+        self._slab_files = SlabFiles(
+            None if str(path) == ":memory:" else self.path.parent / f"{self.path.name}.slabs",
+            encrypted=self._db.encrypted, dialect=self.dialect, cache=self._cache,
+            save=self._save_cache, background=self._in_background, read=self._read,
+            closing=self._closing)
         _STORES.add(self)
         schema.migrate(self._db)
         # lex_log is bounded once its horizon exists (always after `migrate`; the upgrade test
@@ -115,7 +114,7 @@ class SQLiteStore(SQLStore):
         named = self._read("SELECT value FROM meta WHERE name = 'lex_file'")  # none: too old
         if self._db.encrypted or not named or not named[0][0]:
             self._forget_lexicon_files()
-        self._forget_slab_files(keep=not self._db.encrypted)
+        self._slab_files.forget(keep=not self._db.encrypted)
         if self._db.encrypted:
             ann.forget_files(self._ann_dir)
 
@@ -190,24 +189,13 @@ class SQLiteStore(SQLStore):
             self._forget_lexicon_files()
         def forget_files() -> None:
             ann.forget_files(self._ann_dir)
-            self._forget_slab_files(keep=False)
+            self._slab_files.forget(keep=False)
         self._cache.forget_ann(forget_files)
 
     def _forget_lexicon_files(self) -> None:
         """Remove the saved lexical index and any half-written one."""
         if self._lex_path is not None:
             for f in self._lex_path.parent.glob(f"{self._lex_path.name}*"):
-                f.unlink(missing_ok=True)
-
-    def _forget_slab_files(self, keep: bool) -> None:
-        """Remove the saved dense caches: all of them, or (`keep`) those the database does not
-        name (unnamed by an erasure whose process died before removing them, half-written)."""
-        if self._slab_dir is None or not self._slab_dir.exists():
-            return
-        named = {row[0] for row in self._read(
-            "SELECT name FROM meta WHERE name GLOB 'slab_file:*' AND value <> 0")} if keep else set()
-        for f in self._slab_dir.iterdir():
-            if f"slab_file:{f.name}" not in named:
                 f.unlink(missing_ok=True)
 
     def _save_cache(self, path: Path, name: str, erasures: int,
@@ -267,75 +255,13 @@ class SQLiteStore(SQLStore):
         slab = self._cache.refresh(
             self._keys, query.scope, [key_name], dim, (meta["keys_version"], meta["rows_version"]),
             lambda stmts: [self._read(*stmt) for stmt in stmts], follow=follow,
-            load=lambda key, dim: self._load_slab(key, dim, meta))[key_name]
+            load=lambda key, dim: self._slab_files.load(key, dim, meta))[key_name]
         exact = follow is Follow.EXACT
-        if exact:
+        if exact:  # saved beside the database once large (slabfiles.py)
             with self._cache.lock:
-                slab.erasures = meta["erasures"]
-                if slab.n > self.ann_threshold and \
-                        slab.n - slab.saved_n >= max(self.ann_threshold, slab.saved_n // 4):
-                    self._save_slab(slab, self._cache.key(self._keys, query.scope, key_name))
+                self._slab_files.keep(slab, self._cache.key(self._keys, query.scope, key_name),
+                                      meta["erasures"])
         return slab, exact
-
-    def _slab_file(self, key: tuple[Any, ...]) -> tuple[Path, str] | None:
-        """Where the dense cache of one scope and key name is saved, and its name in `meta`."""
-        if self._slab_dir is None:
-            return None
-        name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-        return self._slab_dir / name, f"slab_file:{name}"
-
-    def _load_slab(self, key: tuple[Any, ...], dim: int, meta: dict[str, Any]) -> Slab | None:
-        """The cache saved for `key`, if the database names its file (`meta`, just read) and it
-        reads back whole; it then catches up with the tables like any cache."""
-        where = self._slab_file(key)
-        token = meta.get(where[1]) if where is not None else None
-        if where is None or not token or self._db.encrypted:
-            return None
-        found = cachefile.read(where[0], SLAB_MAGIC, token,
-                               {"format": SLAB_FORMAT, "key": repr(key), "dim": dim})
-        if found is None:
-            return None
-        try:
-            slab = Slab.restore(found[0], found[1], self.dialect)
-        except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
-            log.warning("ignoring the malformed dense cache %s: %s", where[0], exc)
-            return None
-        slab.saved_n = slab.n
-        log.info("loaded the dense cache of %s (%d keys) from %s", key, slab.n, where[0])
-        if slab.cold is not None:
-            self._in_background(lambda: self._warm(slab))
-        return slab
-
-    def _warm(self, slab: Slab) -> None:
-        """Build the candidates of a cache loaded from its file, a chunk at a time under the
-        lock, off the request path (a search builds the ones it needs first itself)."""
-        while not self._closing.is_set():
-            with self._cache.lock:
-                if not slab.warm(5_000):  # ~50 ms: a search waits no longer than that
-                    return
-            time.sleep(0.002)  # the lock is not fair: let a waiting search take it first
-
-    def _save_slab(self, slab: Slab, key: tuple[Any, ...]) -> None:
-        """Save an exact cache beside the database (`_save_cache`, off the request path), to
-        spare a new process loading it from the tables. Call with the cache's lock held: its
-        state is taken now (`Slab.state` copies what later changes rewrite in place)."""
-        where = self._slab_file(key)
-        if where is None or self._db.encrypted:
-            return
-        slab.saved_n = slab.n  # saved, or not possible now: tried again once it grew
-        state = slab.state(self.dialect)
-        if state is None:
-            log.warning("the dense cache of %s is not saved: a string holds a NUL", key)
-            return
-        head, arrays = state
-        header = {"format": SLAB_FORMAT, "key": repr(key), **head}
-        path, name, erasures = where[0], where[1], slab.erasures
-
-        def save() -> None:
-            if self._save_cache(path, name, erasures, lambda token: cachefile.write(
-                    path, SLAB_MAGIC, {**header, "token": token}, arrays)):
-                log.info("saved the dense cache of %s (%d keys) to %s", key, head["n"], path)
-        self._in_background(save)
 
     def _in_background(self, job: Callable[[], None]) -> None:
         """Run cache work (saving a file, building a loaded cache's candidates) on the store's
