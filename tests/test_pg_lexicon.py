@@ -372,3 +372,26 @@ def test_a_database_with_lex_terms_drops_it_and_writes_never_touch_it_again(
         check(new, rng, 10)
     finally:
         new.close()
+
+
+def test_a_whole_set_of_documents_is_merged_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower builds from every document batch by batch, then merges its segments once:
+    merging after each batch would merge everything built so far again and again."""
+    from engram.store.index import follow, lexicon
+
+    monkeypatch.setattr(follow, "BATCH", 10)
+    monkeypatch.setattr(lexicon, "BATCH", 10)
+    merged: list[int] = []
+    real = lexicon.Segment.merged
+    monkeypatch.setattr(lexicon.Segment, "merged", staticmethod(
+        lambda parts: (merged.append(len(parts)), real(parts))[1]))
+    rng = random.Random(8)
+    docs = [follow.LexicalText(f"m{i}", sentence(rng), "", "o1") for i in range(200)]
+    f = LexicalFollower()
+    with f.lock:
+        lex = f.apply(LexicalChanges(-1, 7, documents=iter(docs), whole=True))
+        assert lex is not None and (lex.count, lex.version) == (200, 7)
+        assert len(merged) <= 2 and len(lex.segments) <= 2  # 20 batches: merged once
+        assert {m for m, _ in lex.search(["ramen"], [], 500, 0.5, set) or []} == {
+            d.id for d in docs if "ramen" in d.body}
+        f.drop()

@@ -110,9 +110,10 @@ class LexicalFollower:
             tokens = [(rids.setdefault(d.id, len(rids)), d.id, d.body, d.context, d.scope)
                       for d in batch if isinstance(d, LexicalDocument)]
             if texts:
-                lex.add(texts)
+                lex.add(texts, merge=False)
             if tokens:
-                lex.add_tokens(tokens)
+                lex.add_tokens(tokens, merge=False)
+        lex.merge()
         lex.version = changes.position
         return lex
 

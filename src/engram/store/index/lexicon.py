@@ -202,20 +202,25 @@ class Lexicon:
 
     # -- keeping it exact ----------------------------------------------------------------------
 
-    def add(self, docs: Sequence[Doc]) -> None:
-        """Index rows (read from memory_fts), as new documents."""
+    def add(self, docs: Sequence[Doc], merge: bool = True) -> None:
+        """Index documents given as texts (a memory_fts row's columns), as new documents; then
+        `merge` (not: the caller adds more first)."""
         for i in range(0, len(docs), BATCH):
             self._add(docs[i:i + BATCH])
-        self._merge()
+        if merge:
+            self.merge()
 
-    def add_tokens(self, docs: Sequence[Tokens]) -> None:
+    def add_tokens(self, docs: Sequence[Tokens], merge: bool = True) -> None:
         """Index documents given as their tokens (the PostgreSQL store's, made by the same
-        tokenizer: bm25.py), as new documents."""
+        tokenizer: bm25.py), as new documents; then `merge` (not: the caller adds more first)."""
         for i in range(0, len(docs), BATCH):
             self._add_tokens(docs[i:i + BATCH])
-        self._merge()
+        if merge:
+            self.merge()
 
-    def _merge(self) -> None:
+    def merge(self) -> None:
+        """Merge segments once they are many (a build adds its batches first, then merges
+        once: merging after each batch would merge everything again and again)."""
         # the small segments of the latest writes merge with each other; with the first,
         # largest one only once they add up to a quarter of it
         if len(self.segments) > MAX_SEGMENTS:
