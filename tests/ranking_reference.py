@@ -23,9 +23,12 @@ from engram.pipeline.retrieve import (
     own_words,
 )
 from engram.pipeline.revisions import (
+    Same,
     announces_change,
     asks_past,
     asks_span,
+    gives_new_value,
+    quantities,
     same_thing,
     topic_words,
 )
@@ -67,37 +70,41 @@ def fuse_arrays(ranked: Mapping[str, Sequence[tuple[str, float]]], weights: Mapp
 def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page: int,
                 about: Collection[str] | None = None,
                 asked: frozenset[str] = frozenset(),
-                same: Callable[[str, str, bool, bool], bool] | None = None,
-                question: frozenset[str] = frozenset()) -> dict[str, float]:
+                same: Same | None = None,
+                question: frozenset[str] = frozenset(),
+                below: Mapping[str, float] | None = None) -> dict[str, float]:
     """Topic-level newest-wins: how much each candidate on the first `page` results is lifted
     to rank just above the older ones it revises (ids of unlifted candidates are left out).
 
     A newer candidate revises an older one on the page when both come from the same speaker
     (the same name and role) and either they share a word that no other candidate uses (the
-    topic: "Spanish" in "learning Spanish" and "I dropped Spanish") or the newer says that
-    something changed ("we moved to Leeds", "instead", "no longer"). Near-equal
-    means "both on the first page": a score margin would mean one thing among ten memories and
-    another among a thousand, while the page is where a reader looks either way, and a
-    candidate from deeper in the pool is never brought onto it. Candidates are visited oldest
-    first, so of several revisions the newest comes first; the older keep their scores and stay
-    findable just below. The word "no other candidate uses" is counted over the whole pool.
-    Only candidates in `about` (default: all) may be lifted: in a scope of a few memories the
-    page holds everything, and a revision must itself be about the question. Words of the
-    question's subject (`asked`: the names it mentions) never link two statements: the candidates
-    were retrieved because they share them, so "Ana" links "Ana is allergic to peanuts" to
-    "Ana moved to Lisbon" only by construction when the question is "Where does Ana live?".
-    Newer is later in time, or at the same time told later (then only a change revises).
-    `same` is told whether the two answer the question (`question`: its topic words) alike:
-    a word they share as their topic is one of its words, and both hold the same ones of its
-    words that no more than two candidates use.
+    topic: "Spanish" in "learning Spanish" and "I dropped Spanish"), or the newer says that
+    something changed ("we moved to Leeds", "instead", "no longer"), or it gives a new value
+    of what the question asks about (not an assistant's). Near-equal means "both on the first
+    page"; a candidate of the next page (`below`) is brought onto it only when it gives a new
+    value, or says that something changed and shares a topic word. Candidates are visited
+    oldest first, so of several revisions the newest comes first; the older keep their scores
+    and stay findable just below. The word "no other candidate uses" is counted over the
+    whole pool. Only candidates in `about` (default: all) may be lifted. Words of the
+    question's subject (`asked`: the names it mentions) never link two statements. Newer is
+    later in time, or at the same time told later (then only a change or a new value
+    revises). `same` is told whether the two answer the question (`question`: its topic
+    words) alike, whether the newer brings a change, and the speaker's other statements on
+    the page.
     """
     top = sorted(score, key=lambda m: (-score[m], m))[:page]
-    when = {m: (recs[m].observed_at or recs[m].created_at, recs[m].created_at, m) for m in top}
-    speaker = {m: (recs[m].name, recs[m].role) for m in top}
-    words = {m: topic_words(recs[m].text) - asked for m in top}
+    said = {m: recs[m].name is not None or recs[m].role is not None for m in recs}
+    under = [m for m in sorted(below or {}, key=lambda m: (-(below or {})[m], m))
+             if m not in score and (about is None or m in about) and said[m]
+             and (announces_change(recs[m].text)
+                  or any(unit in question for unit, _ in quantities(recs[m].text)))]
+    seen = top + under
+    when = {m: (recs[m].observed_at or recs[m].created_at, recs[m].created_at, m) for m in seen}
+    speaker = {m: (recs[m].name, recs[m].role) for m in seen}
+    words = {m: topic_words(recs[m].text) - asked for m in seen}
     # how many candidates use each word that two statements of one speaker share: a word
     # much of the pool uses ("great", a name) is no topic
-    shared = {w for a in top for b in top if when[a] < when[b] and speaker[a] == speaker[b]
+    shared = {w for a in top for b in seen if when[a] < when[b] and speaker[a] == speaker[b]
               for w in words[a] & words[b]}
     df = dict.fromkeys(shared, 0)
     held: set[str] = set()
@@ -110,28 +117,32 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
             for w in asking.keys() & have:
                 asking[w] += 1
         held = {w for w, k in asking.items() if k <= 2}
-    answers = {m: words[m] & held for m in top}
-    lifted = {m: score[m] for m in top}
-    for b in sorted(top, key=lambda m: when[m]):
+    answers = {m: words[m] & held for m in seen}
+    base = {**(below or {}), **score}
+    lifted = {m: base[m] for m in seen}
+    for b in sorted(seen, key=lambda m: when[m]):
         if about is not None and b not in about:
             continue
-        # "the same person says something changed" needs someone to say it (a name or the
-        # role of a message): a fact with neither is revised only by one sharing its topic word
-        changed = ((recs[b].name is not None or recs[b].role is not None)
-                   and announces_change(recs[b].text))
+        changed = said[b] and announces_change(recs[b].text)
         older = []
         for a in top:
             if not (when[a] < when[b] and speaker[a] == speaker[b] and lifted[a] >= lifted[b]):
                 continue
-            if when[a][0] == when[b][0] and not changed:  # one sitting: only a change revises
-                continue
             topic = {w for w in words[a] & words[b] if df[w] <= 2}
-            if (changed or topic) and (same is None or same(
-                    a, b, bool(topic & held) and answers[a] == answers[b], changed)):
+            value = (said[b] and recs[b].role != "assistant"
+                     and gives_new_value(recs[a].text, recs[b].text, question))
+            if b in score:
+                if not (changed or value or (topic and when[a][0] != when[b][0])):
+                    continue
+            elif not (value or (changed and topic)):
+                continue
+            peers = [m for m in top if m not in (a, b) and speaker[m] == speaker[a]]
+            if same is None or same(a, b, bool(topic & held) and answers[a] == answers[b],
+                                    changed or value, peers):
                 older.append(a)
         if older:
             lifted[b] = max(lifted[a] for a in older) + 1e-3
-    return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}
+    return {m: lifted[m] - base[m] for m in seen if lifted[m] > base[m]}
 
 
 Ranked = tuple[str, float, dict[str, float]]  # memory id, score, explanation
@@ -208,19 +219,23 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     if cfg.newer_page and present and n and not asks_span(query):
         top = [ids[i] for i in order[:cfg.newer_page]]
         on_page = dict(zip(top, score[order[:cfg.newer_page]].tolist(), strict=True))
+        nxt = order[cfg.newer_page:2 * cfg.newer_page]
+        below = dict(zip([ids[i] for i in nxt], score[nxt].tolist(), strict=True))
         # about the question: not the farthest in meaning (dense 0 is the pool's least similar,
         # or `min_cosine_range` of cosine or more below the best)
         about = None
         if cfg.dense_weight:
             dense = fused.parts.get("dense")
-            close = dense[sel][order[:cfg.newer_page]] > 0.0 if dense is not None else [False] * len(top)
-            about = {m for m, c in zip(top, close, strict=True) if c}
+            near = order[:2 * cfg.newer_page]
+            close = dense[sel][near] > 0.0 if dense is not None else [False] * len(near)
+            about = {ids[i] for i, c in zip(near.tolist(), close, strict=True) if c}
         # the names the question is about ("Ana" in "Where does Ana live?") are shared by every
         # statement about her: they are the subject, never the topic that links a revision
         subject = topic_words(" ".join(re.findall(r"(?<!^)(?<![.?!] )\b[A-Z][\w'-]*", query.strip())))
         same = (None if vectors is None or query_vector is None
-                else same_thing(vectors(top), query_vector))
-        lifts = newest_wins(on_page, recs, cfg.newer_page, about, subject, same, topic_words(query))
+                else same_thing(vectors(top + list(below)), query_vector))
+        lifts = newest_wins(on_page, recs, cfg.newer_page, about, subject, same, topic_words(query),
+                            below)
         if lifts:
             at = {mid: i for i, mid in enumerate(ids)}
             lift = np.zeros(n)

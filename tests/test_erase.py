@@ -292,7 +292,8 @@ def test_erase_leaves_no_text_in_the_process_caches(tmp_path: Path, embedder) ->
     hold on erasure: an erased text does not outlive it in memory either."""
     from engram.pipeline import retrieve
 
-    ranking = (retrieve.mentions_time, retrieve.topic_words, retrieve.announces_change)
+    ranking = (retrieve.mentions_time, retrieve.topic_words, retrieve.announces_change,
+               retrieve.quantities, retrieve.names)
     with Memory(tmp_path / "c.db", embedder=embedder) as mem:
         mem.add([f"my pin is {OTHER_CANARY} since March", "and my bike is blue"], user_id="D")
         assert mem.search(f"what is my pin {OTHER_CANARY}?", user_id="D")
@@ -300,4 +301,4 @@ def test_erase_leaves_no_text_in_the_process_caches(tmp_path: Path, embedder) ->
         assert retrieve.topic_words.cache_info().currsize  # newest-wins read the candidates
         mem.erase(user_id="D")
         assert not any(OTHER_CANARY in t for t in embedder._cache)
-        assert [fn.cache_info().currsize for fn in ranking] == [0, 0, 0]
+        assert [fn.cache_info().currsize for fn in ranking] == [0] * len(ranking)

@@ -5,13 +5,17 @@ embedder, through `Memory.search` and the CLI."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 from typer.testing import CliRunner
 
-from engram import Memory
+from engram import PRESETS, Memory
 from engram.cli import app
+from engram.pipeline.revisions import gives_new_value, same_thing, topic_words
+from engram.providers.embedders import MiniLM
 
 JAN, MAR, MAY = (datetime(2025, m, 1, 9, tzinfo=UTC) for m in (1, 3, 5))
 
@@ -122,3 +126,133 @@ def test_a_question_about_a_span_between_events_lifts_no_newer_statement(mem: Me
     hits = mem.search("How many days are there between my dentist appointment and my birthday?",
                       user_id="u", limit=2)
     assert not any("newer" in h.explain for h in hits)
+
+
+def test_a_count_told_again_later_in_the_same_session_comes_first(mem: Memory) -> None:
+    """No change word: the later message of the sitting gives the sketches the question asks
+    about a new number (`gives_new_value`), and is the newer."""
+    chat(mem, "u", ("user", "I've completed 3 mechanical sketches by March 14, mostly gears.", MAR),
+         ("assistant", "That's a great start.", MAR),
+         ("user", "I'm terrified of heights.", MAR),
+         ("user", "I've completed 5 mechanical sketches by March 15.", MAR))
+    hits = mem.search("How many mechanical sketches have I completed?", user_id="u", limit=4)
+    assert hits[0].memory.text == "I've completed 5 mechanical sketches by March 15."
+    assert hits[0].explain["newer"] > 0
+
+
+def test_another_persons_number_is_no_new_value(mem: Memory) -> None:
+    """Sara's chili powder is no new value of Crystal's: each statement names someone the
+    other does not, so the newer is not lifted over the older."""
+    chat(mem, "u", ("user", "For Crystal, who likes mild food, I use less chili powder, by 50%.",
+                    JAN), session="a")
+    # the words the two share are common here: only the new value could propose a revision
+    chat(mem, "u", ("user", "My pantry has chili powder and cumin, and I like food with heat.",
+                    MAR), session="c")
+    chat(mem, "u", ("user", "I use a cast iron pan.", MAR), session="d")
+    chat(mem, "u", ("user", "For Sara, who likes spicy food, I use more chili powder, by 30%.",
+                    MAY), session="b")
+    hits = mem.search("How much chili powder do I use for Crystal?", user_id="u", limit=3)
+    assert hits[0].memory.text.startswith("For Crystal")
+    assert not any("newer" in h.explain for h in hits)
+
+
+def test_a_state_resumed_again_revises_the_state_before(mem: Memory) -> None:
+    """'I've started eating fish again' says that the diet changed, without a word shared
+    with 'I'm vegetarian'; the two are closer to each other than to the question."""
+    for text, at in (("I'm vegetarian.", JAN), ("Thai food is my favourite.", JAN),
+                     ("I take my coffee black, no sugar.", MAR),
+                     ("I've started eating fish again, so I'm pescatarian.", MAY)):
+        chat(mem, "u", ("user", text, at), session=text)
+    hits = mem.search("What diet do I follow?", user_id="u", limit=4)
+    assert hits[0].memory.text == "I've started eating fish again, so I'm pescatarian."
+    assert hits[0].explain["newer"] > 0
+
+
+def test_meaning_alone_proposes_no_revision(mem: Memory) -> None:
+    """'I'm vegetarian', newer, is closer to 'I'm allergic to peanuts' than either is to the
+    question, and each is the other's closest: yet nothing says the allergy changed, and a
+    revision by meaning alone would lift the diet above the allergy for what is dangerous
+    to eat."""
+    for text, at in (("I'm allergic to peanuts.", JAN), ("Thai food is my favourite.", MAR),
+                     ("I'm vegetarian.", MAY)):
+        chat(mem, "u", ("user", text, at), session=text)
+    hits = mem.search("What food is dangerous for me?", user_id="u", limit=3)
+    assert not any("newer" in h.explain for h in hits)
+
+
+def test_a_question_about_the_latest_in_the_past_tense_is_about_now(mem: Memory) -> None:
+    """'did' asks about the past, but 'most recent' asks for the latest: the newer score is
+    a new value of what is asked, and comes first."""
+    chat(mem, "u", ("user", "Scott scored 68% on his math test.", JAN), session="a")
+    chat(mem, "u", ("user", "Scott scored 72% on his math test.", MAY), session="b")
+    hits = mem.search("What score did Scott get on his most recent math test?", user_id="u",
+                      limit=2)
+    assert hits[0].memory.text == "Scott scored 72% on his math test."
+    assert hits[0].explain["newer"] > 0
+
+
+def test_a_question_gathering_several_statements_lifts_no_newer_one(mem: Memory) -> None:
+    """'across our chats', 'have I ever': about each statement as told, none revised."""
+    for text, at in (("My dentist appointment is on June 3.", JAN),
+                     ("The dentist moved my appointment to June 10.", MAY)):
+        mem.add([{"role": "user", "name": "Tom", "content": text}], user_id="u", session_id=text,
+                observed_at=at, infer=False)
+    for question in ("What dates have I given for my dentist appointment across our chats?",
+                     "Have I ever had my dentist appointment moved?"):
+        hits = mem.search(question, user_id="u", limit=2)
+        assert not any("newer" in h.explain for h in hits), question
+
+
+def test_an_echo_by_another_speaker_does_not_hide_a_revision() -> None:
+    """Each the other's closest is asked among what their speaker said: an assistant restating
+    the older value is closest to it by being its echo, and tells nothing of the two."""
+    def unit(*v: float) -> np.ndarray:
+        a = np.array(v)
+        return a / np.linalg.norm(a)
+    old, new, query = unit(1.0, 0.35, 0.0), unit(0.75, 1.0, 0.0), unit(1.0, 0.1, 0.0)
+    echo, other = unit(1.0, 0.3, 0.05), unit(0.0, 0.2, 1.0)
+    vectors = {"old": old, "new": new, "echo": echo, "other": other}
+    ab, aq, bq = old @ new, old @ query, new @ query
+    assert min(aq, bq) <= ab < max(aq, bq) and echo @ old > ab  # the mutual test decides
+    same = same_thing(vectors, query)
+    assert same("old", "new", False, True, ["other"])  # the user's own other statement
+    assert not same("old", "new", False, True, ["other", "echo"])  # were the echo a peer
+
+
+def test_a_revision_just_below_the_page_is_brought_onto_it(tmp_path: Path, embedder: MiniLM) -> None:
+    """'I left the hospital ... now' is worded as the change, not as the question, and ranks
+    below the first page (of two here); it says that something changed and shares 'hospital',
+    a word no other memory uses, with the statement it revises: it comes first. A change that
+    shares no topic stays where it was."""
+    page = replace(PRESETS["hybrid"], newer_page=2)
+    with Memory(tmp_path / "p.db", embedder=embedder, retrieval=page) as m:
+        for text, at in (("I work as a nurse at Santa Maria hospital.", JAN),
+                         ("I cycle to work every day.", JAN),
+                         ("On weekends I go hiking in the mountains.", JAN),
+                         ("I cancelled my gym membership and joined a climbing club.", MAY),
+                         ("I left the hospital, I'm a paramedic with the fire brigade now.", MAY)):
+            chat(m, "u", ("user", text, at), session=text)
+        hits = m.search("What do I do for work?", user_id="u", limit=5)
+        texts = [h.memory.text for h in hits]
+        at = texts.index("I left the hospital, I'm a paramedic with the fire brigade now.")
+        assert at < 2 and texts[at + 1] == "I work as a nurse at Santa Maria hospital."
+        assert hits[at].explain["newer"] > 0
+        assert "newer" not in hits[texts.index(
+            "I cancelled my gym membership and joined a climbing club.")].explain
+    # without newest-wins the revision is below the page of two
+    with Memory(tmp_path / "p.db", embedder=embedder,
+                retrieval=replace(page, newer_page=0)) as m:
+        plain = [h.memory.text for h in m.search("What do I do for work?", user_id="u", limit=5)]
+        assert plain.index("I left the hospital, I'm a paramedic with the fire brigade now.") >= 2
+
+
+def test_a_new_value_is_a_number_of_what_the_question_asks_about() -> None:
+    asked = topic_words("How many sketches have I completed?")
+    assert gives_new_value("I've completed 3 sketches by March 14.",
+                           "I've completed 5 sketches by March 15.", asked)
+    # the same count again, a count of something else, a date: no new value
+    assert not gives_new_value("I've completed 3 sketches.", "All 3 sketches are framed.", asked)
+    assert not gives_new_value("I've completed 3 sketches.", "I bought 5 pencils for sketches.",
+                               asked)
+    assert not gives_new_value("I finished the sketches by March 14.",
+                               "I framed the sketches by March 15.", asked)

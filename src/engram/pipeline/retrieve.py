@@ -22,7 +22,16 @@ import numpy as np
 
 from ..errors import InvalidInput
 from ..store.base import Candidate
-from .revisions import _on_demand, announces_change, asks_past, asks_span, newest_wins, topic_words
+from .revisions import (
+    _on_demand,
+    announces_change,
+    asks_past,
+    asks_span,
+    names,
+    newest_wins,
+    quantities,
+    topic_words,
+)
 from .text import STOP_WORDS, non_ascii, terms
 
 
@@ -425,8 +434,8 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
         codes = dict(zip(dict.fromkeys(units), range(n), strict=False))  # n or fewer
         unit = np.fromiter(map(codes.__getitem__, units), np.intp, n)
 
-    # ordered as far as anything reads: the page newest-wins looks at, the `limit` explained
-    upto = None if limit is None else max(limit, cfg.newer_page if present else 0)
+    # ordered as far as anything reads: the two pages newest-wins looks at, the `limit` explained
+    upto = None if limit is None else max(limit, 2 * cfg.newer_page if present else 0)
     _settle(rows, base, steps, unit, cfg, upto)
     added: dict[str, tuple[np.ndarray, bool]] = {}
     score = base
@@ -443,24 +452,28 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
 
     order = _order(ids, score, upto)
     if cfg.newer_page and present and n and not asks_span(query):
-        top = [ids[i] for i in order[:cfg.newer_page]]
-        on_page = dict(zip(top, score[order[:cfg.newer_page]].tolist(), strict=True))
+        # the page, and the next page's candidates that may revise a statement on it
+        seen = order[:2 * cfg.newer_page]
+        near = [ids[i] for i in seen]
+        top = near[:cfg.newer_page]
+        on_page = dict(zip(top, score[seen[:cfg.newer_page]].tolist(), strict=True))
+        below = dict(zip(near[cfg.newer_page:], score[seen[cfg.newer_page:]].tolist(), strict=True))
         # about the question: not the farthest in meaning (dense 0 is the pool's least similar,
         # or `min_cosine_range` of cosine or more below the best)
         about = None
         if cfg.dense_weight:
             dense = fused.parts.get("dense")
-            close = dense[sel][order[:cfg.newer_page]] > 0.0 if dense is not None else [False] * len(top)
-            about = {m for m, c in zip(top, close, strict=True) if c}
+            close = dense[sel][seen] > 0.0 if dense is not None else [False] * len(near)
+            about = {m for m, c in zip(near, close, strict=True) if c}
         # the names the question is about ("Ana" in "Where does Ana live?") are shared by every
         # statement about her: they are the subject, never the topic that links a revision
         subject = topic_words(" ".join(re.findall(r"(?<!^)(?<![.?!] )\b[A-Z][\w'-]*", query.strip())))
         same = (None if vectors is None or query_vector is None
-                else _on_demand(vectors, top, query_vector))
+                else _on_demand(vectors, near, query_vector))
         lifts = newest_wins(on_page, dict(zip(ids, rows, strict=True)), cfg.newer_page, about, subject,
-                            same, topic_words(query))
+                            same, topic_words(query), below)
         if lifts:
-            at = {mid: i for i, mid in enumerate(top)}
+            at = {mid: i for i, mid in enumerate(near)}
             lift = np.zeros(n)
             for mid, v in lifts.items():
                 lift[order[at[mid]]] = v
@@ -694,5 +707,5 @@ def _names(first_name: str, text: str) -> bool:
 def forget_texts() -> None:
     """Drop the texts the ranking caches above hold (they are keyed by candidates' texts): an
     erased memory's text must not outlive its erasure in the process's memory."""
-    for cached in (mentions_time, topic_words, announces_change, _names, _word_set):
+    for cached in (mentions_time, topic_words, announces_change, quantities, names, _names, _word_set):
         cached.cache_clear()

@@ -38,28 +38,44 @@ _CHANGE_WORDS = re.compile(
     r"( \S+){0,5} to(?= \$?\d)|"
     r"given up|dropped|replaced|from now on|as of|turn(s|ed) out|misheard|mistaken|"
     r"got (it|that) wrong|"
+    # a state resumed: "I've started eating fish again"
+    r"(started|began|begun) (\S+ ){0,3}again|"
     # separable phrasal verbs: "called it off", "pushed the wedding back"
     r"(called|put) (\S+ ){0,3}off|(pushed|put) (\S+ ){0,3}back|brought (\S+ ){0,3}forward)\b",
     re.IGNORECASE)
 _SUFFIXES = ("'s", "ing", "es", "ed", "s")
 
 
+# words that ask for the latest state whatever the tense: "What score did Scott get on his
+# most recent test?" is a question about now
+_LATEST = re.compile(r"\b(most recent(ly)?|latest|current(ly)?|so far|these days|at the moment)\b",
+                     re.IGNORECASE)
+
+
 def asks_past(query: str) -> bool:
     """Does the question ask about an earlier state or a past event ("Where did Tom live
-    before?", "What was the original date?", "When did...")? Newest-wins does not apply then."""
-    return bool(_PAST_QUESTION.search(query))
+    before?", "What was the original date?", "When did...")? Newest-wins does not apply then.
+    A question that asks for the latest ("most recent", "so far", "currently") is about the
+    present, in whatever tense it is put."""
+    return bool(_PAST_QUESTION.search(query)) and not _LATEST.search(query)
 
 
 _SPAN_QUESTION = re.compile(
     r"\b(between|order in which|in (what|which) order|from when|how many (days|weeks|months|"
-    r"years)\b.*\b(until|till|since|from|before|after|by))\b", re.IGNORECASE)
+    r"years)\b.*\b(until|till|since|from|before|after|by)|"
+    # several statements gathered: "how many in total across my sessions", "compare the
+    # prices I mentioned", "have I ever", "how has my score changed"
+    r"across|in total|combined|altogether|compar(e|ed|es|ing)|ever|how (has|have)\b.*\bchanged)\b",
+    re.IGNORECASE)
 
 
 def asks_span(query: str) -> bool:
     """Does the question ask about the span or the order of several events ("How many days
-    between the deadline and the review?", "In what order did I mention...")? It is about
-    each of their statements, told at its own time: a newer one revises none of them, and
-    newest-wins does not apply."""
+    between the deadline and the review?", "In what order did I mention...") or gather
+    several statements ("How many problems have I completed in total across my sessions?",
+    "Have I ever met Raymond?", "How has my quiz score changed?")? It is about each of their
+    statements, told at its own time: a newer one revises none of them, and newest-wins does
+    not apply."""
     return bool(_SPAN_QUESTION.search(query))
 
 
@@ -85,11 +101,96 @@ def topic_words(text: str) -> frozenset[str]:
     return frozenset(out)
 
 
+# a number, or a run of letters: "180ms" is 180 and "ms", "5-page" is 5 and "page"
+_TOKEN = re.compile(r"\d+(?:[.,]\d+)*|[^\W\d_]+(?:'[^\W\d_]+)?")
+
+
+@lru_cache(maxsize=100_000)
+def quantities(text: str) -> frozenset[tuple[str, str]]:
+    """The quantities a text states: each number with what it counts, the first content word
+    after it, or else before it, within three words (lightly stemmed, as `topic_words`; "3
+    sketches": ("sketch", "3"), "$150 as an emergency fund": ("emergency", "150"), "180ms":
+    ("ms", "180"), "a test score of 68%": ("scor", "68")). Another number in between ends the
+    search; a date counts nothing ("the June 15 dinner" is no 15 dinners). (Cached like
+    `topic_words`.)"""
+    tokens = _TOKEN.findall(text.lower())
+    out = set()
+    for i, tok in enumerate(tokens):
+        if tok[0].isdigit() and not _in_date(tokens, i):
+            unit = _counted(tokens[i + 1:i + 4]) or _counted(tokens[max(i - 3, 0):i][::-1])
+            if unit:
+                out.add((unit, tok))
+    return frozenset(out)
+
+
+_MONTHS = frozenset("january february march april may june july august september october "
+                    "november december jan feb mar apr jun jul aug sep sept oct nov dec".split())
+
+
+def _in_date(tokens: Sequence[str], i: int) -> bool:
+    """Is the number at `i` part of a date ("March 14", "14 March", "March 14, 2024")? A date
+    says when, and counts nothing."""
+    before = tokens[i - 2:i][::-1] if i else []
+    return (bool(before) and (before[0] in _MONTHS or (before[0][0].isdigit() and len(before) > 1
+                                                        and before[1] in _MONTHS))
+            or (i + 1 < len(tokens) and tokens[i + 1] in _MONTHS))
+
+
+def _counted(near: Sequence[str]) -> str | None:
+    """The first content word of `near` (words next to a number, nearest first) before any
+    other number or a month (a date's)."""
+    for tok in near:
+        if tok[0].isdigit() or tok in _MONTHS:
+            return None
+        unit = topic_words(tok)
+        if unit:
+            return next(iter(unit))
+    return None
+
+
+def gives_new_value(older: str, newer: str, asked: Collection[str]) -> bool:
+    """Does the newer text give what the question asks about (`asked`: its topic words) a
+    number the older one does not, where the older one counts it too ("How many sketches have
+    I completed?": "I've completed 3 sketches by March 14", then "I've completed 5 sketches by
+    March 15")? If the two are about the same thing, the newer gives it a new value: a change
+    told without a change word. A number of something the question does not ask about is no
+    answer to it (long messages hold many dates and counts, and a different one in each); nor
+    is the number of someone else's: when each text names someone the other does not ("chili
+    powder by 30% for Sara", "by 50% for Crystal"), they tell two people's values."""
+    before: dict[str, set[str]] = {}
+    for unit, number in quantities(older):
+        if unit in asked:
+            before.setdefault(unit, set()).add(number)
+    if not any(unit in before and number not in before[unit]
+               for unit, number in quantities(newer)):
+        return False
+    named, naming = names(older), names(newer)
+    return not (named - naming and naming - named)
+
+
+# a capitalised word within a sentence: a name ("for Sara", "with Katherine, who")
+_NAME = re.compile(r"(?<=[a-z,;] )[A-Z][a-z]+")
+
+
+@lru_cache(maxsize=100_000)
+def names(text: str) -> frozenset[str]:
+    """The names a text mentions within its sentences (months aside). (Cached like
+    `topic_words`.)"""
+    return frozenset(w for w in _NAME.findall(text) if w.lower() not in _MONTHS)
+
+
+Same = Callable[[str, str, bool, bool, Collection[str]], bool]
+"""Are two statements (ids: the older, the newer) about the same thing? Told whether they
+answer the question alike, whether the newer says that something changed, and the other
+statements of their speaker on the page (see `same_thing`)."""
+
+
 def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page: int,
                 about: Collection[str] | None = None,
                 asked: frozenset[str] = frozenset(),
-                same: Callable[[str, str, bool, bool], bool] | None = None,
-                question: frozenset[str] = frozenset()) -> dict[str, float]:
+                same: Same | None = None,
+                question: frozenset[str] = frozenset(),
+                below: Mapping[str, float] | None = None) -> dict[str, float]:
     """Topic-level newest-wins: how much each candidate on the first `page` results is lifted
     to rank just above the older ones it revises (ids of unlifted candidates are left out).
 
@@ -97,76 +198,103 @@ def newest_wins(score: Mapping[str, float], recs: Mapping[str, Candidate], page:
     speaker: the same name and the same role (a user's statement is revised by the user, and
     an assistant's reply restating it revises nothing). A revision is proposed when the two
     share a word that no other candidate uses (the topic: "Spanish" in "learning Spanish" and
-    "I dropped Spanish") or the newer says that something changed ("we moved to Leeds",
-    "instead", "no longer", "increased to"). Newer is later in time; of two statements told
-    at one time (the messages of one dated session), the one told later (`created_at`, then
-    the id, which sorts by creation), and then only when it says that something changed: in
-    one sitting a speaker mostly goes on about what she just said. Near-equal means "both on
-    the first page": a score margin would mean one thing among ten
-    memories and another among a thousand, while the page is where a reader looks either
-    way, and a candidate from deeper in the pool is never brought onto it. Candidates are
-    visited oldest first, so of several revisions the newest comes first; the older keep their
-    scores and stay findable just below. The word "no other candidate uses" is counted over
-    the whole pool. Only candidates in `about` (default: all) may be lifted: in a scope of a
-    few memories the page holds everything, and a revision must itself be about the question.
-    Words of the question's subject (`asked`: the names it mentions) never link two
-    statements: the candidates were retrieved because they share them, so "Ana" links "Ana is
-    allergic to peanuts" to "Ana moved to Lisbon" only by construction when the question is
-    "Where does Ana live?".
+    "I dropped Spanish"), or the newer says that something changed ("we moved to Leeds",
+    "instead", "no longer", "increased to"), or it gives a new value: the older states a
+    number and the newer one the older does not ("3 sketches by March 14", "5 sketches by
+    March 15"; `gives_new_value`), which is a change told without a change word. Newer is
+    later in time; of two statements told at one time (the messages of one dated session),
+    the one told later (`created_at`, then the id, which sorts by creation), and then only
+    when it says that something changed or gives a new value: in one sitting a speaker mostly
+    goes on about what she just said. Near-equal means "both on the first page": a score
+    margin would mean one thing among ten memories and another among a thousand, while the
+    page is where a reader looks either way. Candidates are visited oldest first, so of
+    several revisions the newest comes first; the older keep their scores and stay findable
+    just below. The word "no other candidate uses" is counted over the whole pool. Only
+    candidates in `about` (default: all) may be lifted: in a scope of a few memories the page
+    holds everything, and a revision must itself be about the question. Words of the
+    question's subject (`asked`: the names it mentions) never link two statements: the
+    candidates were retrieved because they share them, so "Ana" links "Ana is allergic to
+    peanuts" to "Ana moved to Lisbon" only by construction when the question is "Where does
+    Ana live?".
+
+    A candidate from `below` the page (the next page's, with their scores) may revise a
+    statement on the page only on the strongest proposals: it says that something changed
+    *and* shares their topic word ("I left the hospital, I'm a paramedic now" below "I work as
+    a nurse at the hospital"), or it gives a new value of what the question asks. A revision
+    is often worded as the change, not as the question, and ranks below the original it
+    revises; a candidate from deeper in the pool is never brought up.
 
     With `same` (a test of two ids: are they about the same thing, by meaning; `same_thing`),
-    a proposed pair must also pass it: a shared word or a change word says that a revision
-    may be there, not that these two are its statements. Its third argument says whether the
-    two answer the question in its own words (`question`: its topic words): a word they share
-    as their topic is one of the question's, and both hold the same ones of them ("drive" in
-    "I drive an old Toyota Corolla", "I drive an electric Renault Zoe", asked "What car do I
-    drive?"); then they are one answer given twice. "My sister is called Ines" holds "sister"
-    of "What's my sister called?" and the newer "My partner is called Miguel" does not: they
-    answer it differently. A question word counts as a topic word does: when no more than two
-    candidates use it ("take", "user" are no such word). Its fourth says whether the newer
-    says that something changed.
+    a proposed pair must also pass it: a shared word, a change word or a new value says that a
+    revision may be there, not that these two are its statements. Its third argument says
+    whether the two answer the question in its own words (`question`: its topic words): a
+    word they share as their topic is one of the question's, and both hold the same ones of
+    them ("drive" in "I drive an old Toyota Corolla", "I drive an electric Renault Zoe", asked
+    "What car do I drive?"); then they are one answer given twice. "My sister is called Ines"
+    holds "sister" of "What's my sister called?" and the newer "My partner is called Miguel"
+    does not: they answer it differently. A question word counts as a topic word does: when no
+    more than two candidates use it ("take", "user" are no such word). Its fourth says whether
+    the newer says that something changed (or gives a new value); its fifth, the other
+    statements of the speaker on the page.
     """
     top = sorted(score, key=lambda m: (-score[m], m))[:page]
-    when = {m: (recs[m].observed_at or recs[m].created_at, recs[m].created_at, m) for m in top}
-    speaker = {m: (recs[m].name, recs[m].role) for m in top}
-    words = {m: topic_words(recs[m].text) - asked for m in top}
+    # below the page, only what someone says is a change, or a number of what is asked, may
+    # be a revision
+    under = [m for m in below or () if m not in score and (about is None or m in about)
+             and (recs[m].name is not None or recs[m].role is not None)
+             and (announces_change(recs[m].text)
+                  or any(unit in question for unit, _ in quantities(recs[m].text)))]
+    seen = [*top, *under]
+    when = {m: (recs[m].observed_at or recs[m].created_at, recs[m].created_at, m) for m in seen}
+    speaker = {m: (recs[m].name, recs[m].role) for m in seen}
+    words = {m: topic_words(recs[m].text) - asked for m in seen}
     # how many candidates use each word that two statements of one speaker share: a word
     # much of the pool uses ("great", a name) is no topic
-    shared = {w for a in top for b in top if when[a] < when[b] and speaker[a] == speaker[b]
+    shared = {w for a in top for b in seen if when[a] < when[b] and speaker[a] == speaker[b]
               for w in words[a] & words[b]}
     df = _counts(shared, list(map(_text, recs.values()))) if shared else {}
     # the question's own words that are as rare in the pool as a topic ("user" in "the user's
     # ...", said of every memory, is none)
     held = ({w for w, k in _counts(question - asked, list(map(_text, recs.values()))).items()
              if k <= 2} if shared else set())
-    answers = {m: words[m] & held for m in top}
-    lifted = {m: score[m] for m in top}
-    for b in sorted(top, key=when.__getitem__):
+    answers = {m: words[m] & held for m in seen}
+    base = {**(below or {}), **score}
+    lifted = {m: base[m] for m in seen}
+    for b in sorted(seen, key=when.__getitem__):
         if about is not None and b not in about:
             continue
         # "the same person says something changed" needs someone to say it (a name or the
         # role of a message): a fact with neither is revised only by one sharing its topic word
-        changed = ((recs[b].name is not None or recs[b].role is not None)
-                   and announces_change(recs[b].text))
+        said = recs[b].name is not None or recs[b].role is not None
+        changed = said and announces_change(recs[b].text)
         older = []
         for a in top:
             if not (when[a] < when[b] and speaker[a] == speaker[b] and lifted[a] >= lifted[b]):
                 continue
-            # told in the same sitting (one time for both): the later one may only go on
-            # about the same thing, unless it says that something changed
-            if when[a][0] == when[b][0] and not changed:
-                continue
             topic = {w for w in words[a] & words[b] if df[w] <= 2}
-            if (changed or topic) and (same is None or same(
-                    a, b, bool(topic & held) and answers[a] == answers[b], changed)):
+            # a value is told by the one it belongs to: an assistant's numbers are echoes
+            # and suggestions
+            value = (said and recs[b].role != "assistant"
+                     and gives_new_value(recs[a].text, recs[b].text, question))
+            new = changed or value
+            if b in score:
+                # told in the same sitting (one time for both): the later one may only go on
+                # about the same thing, unless it says that something changed or gives a new
+                # value
+                if not (new or (topic and when[a][0] != when[b][0])):
+                    continue
+            elif not (value or (changed and topic)):
+                continue
+            peers = [m for m in top if m not in (a, b) and speaker[m] == speaker[a]]
+            if same is None or same(a, b, bool(topic & held) and answers[a] == answers[b],
+                                    new, peers):
                 older.append(a)
         if older:
             lifted[b] = max(lifted[a] for a in older) + 1e-3
-    return {m: lifted[m] - score[m] for m in top if lifted[m] > score[m]}
+    return {m: lifted[m] - base[m] for m in seen if lifted[m] > base[m]}
 
 
-def same_thing(vectors: Mapping[str, np.ndarray], query: np.ndarray
-               ) -> Callable[[str, str, bool, bool], bool]:
+def same_thing(vectors: Mapping[str, np.ndarray], query: np.ndarray) -> Same:
     """Are two statements about the same thing, by their (unit) `text` vectors (`vectors`: the
     page's)? Yes when they are closer to each other than either is to the question: two
     statements that only answer the same question ("My sister is called Ines", "My partner
@@ -175,13 +303,15 @@ def same_thing(vectors: Mapping[str, np.ndarray], query: np.ndarray
     so I'm pescatarian") share their subject and what is said of it, which the question
     does not. An original and a revision worded like the question ("I drive an old Toyota
     Corolla", "I drive an electric Renault Zoe", asked "What car do I drive?") are each as
-    close to the question as to each other; what makes them a pair is that on the page each
-    is the other's closest statement. That is enough when they answer the question alike
+    close to the question as to each other; what makes them a pair is that each is the
+    other's closest among what their speaker said on the page (`peers`: another speaker
+    restating one of them, as an assistant echoing the user, is closest to it by being its
+    echo, and tells nothing of the two). That is enough when they answer the question alike
     (`alike`: see `newest_wins`), or when the newer says that something changed (`changed`)
     and they are closer to each other than one of them is to the question. With no other
-    statement on the page there is nothing to be closest among: the first test alone. A
-    statement without a vector is about nothing else."""
-    def same(a: str, b: str, alike: bool, changed: bool) -> bool:
+    statement of the speaker on the page there is nothing to be closest among: the first
+    test alone. A statement without a vector is about nothing else."""
+    def same(a: str, b: str, alike: bool, changed: bool, peers: Collection[str]) -> bool:
         va, vb = vectors.get(a), vectors.get(b)
         if va is None or vb is None:
             return False
@@ -189,7 +319,7 @@ def same_thing(vectors: Mapping[str, np.ndarray], query: np.ndarray
         to_query = (float(va @ query), float(vb @ query))
         if ab >= max(to_query):
             return True
-        others = [v for m, v in vectors.items() if m not in (a, b)]
+        others = [vectors[m] for m in peers if m in vectors]
         if not others or not (alike or (changed and ab >= min(to_query))):
             return False
         rest = np.stack(others)
@@ -198,16 +328,16 @@ def same_thing(vectors: Mapping[str, np.ndarray], query: np.ndarray
 
 
 def _on_demand(vectors: Callable[[list[str]], Mapping[str, np.ndarray]], ids: list[str],
-               query: np.ndarray) -> Callable[[str, str, bool, bool], bool]:
+               query: np.ndarray) -> Same:
     """`same_thing` over the vectors of `ids`, read when it is first asked: most pages hold no
     pair that a word or a change proposes as a revision, and their search reads no vector (on
     PostgreSQL, no third round trip)."""
-    test: list[Callable[[str, str, bool, bool], bool]] = []
+    test: list[Same] = []
 
-    def same(a: str, b: str, alike: bool, changed: bool) -> bool:
+    def same(a: str, b: str, alike: bool, changed: bool, peers: Collection[str]) -> bool:
         if not test:
             test.append(same_thing(vectors(ids), query))
-        return test[0](a, b, alike, changed)
+        return test[0](a, b, alike, changed, peers)
     return same
 
 
