@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import InvalidInput
 from ..store.base import Candidate
+from .dates import asked_dates, said_on
 from .revisions import (
     _on_demand,
     announces_change,
@@ -49,7 +50,8 @@ class RetrievalConfig:
     rrf_k: int = 60
     candidates: int = 100          # per retriever, before fusion
     speaker_boost: float = 0.0     # added when the query names the memory's speaker
-    when_boost: float = 0.0        # for "when ..." questions, memories that mention a time
+    when_boost: float = 0.0        # for "when ..." questions, memories that mention a time;
+    #                                for a question naming a date, memories said on it (dates.py)
     session_weight: float = 0.0    # share of the memory's session's best score
     recency_weight: float = 0.0    # the memory's place in the candidates' own time span (0 to 1)
     importance_weight: float = 0.0
@@ -381,9 +383,9 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     """`rank` over the arrays of `fuse_arrays`: the best `limit` (default all), explained.
     `asked`: the lexical query's words (`lexical_terms`; default all of the query's).
 
-    Every adjustment is an array added to the score in a fixed order (speaker, when, recency,
-    importance, session, newer), 0 where it does not apply: the same sums, in the same order,
-    as adding each to each candidate's score. The candidates' fields are read into columns
+    Every adjustment is an array added to the score in a fixed order (speaker, when, date,
+    recency, importance, session, newer), 0 where it does not apply: the same sums, in the same
+    order, as adding each to each candidate's score. The candidates' fields are read into columns
     with C-level maps (their time and session unit were derived when they were built), and an
     adjustment whose weight is 0 reads nothing. What a regex reads from a candidate's text
     (does a fact name the speaker asked about, does the text name a time) is read only for
@@ -419,6 +421,12 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     if cfg.when_boost and when:
         steps.append(("when", _Flag(cfg.when_boost, mention_times, np.zeros(n, bool),
                                     np.ones(n, bool)), False))
+    # A question naming a day, month or year asks what was said then: a memory's time is
+    # evidence its text seldom repeats (the same evidence as a time named for "when").
+    spans = asked_dates(query) if cfg.when_boost else []
+    if spans and n:
+        steps.append(("date", cfg.when_boost * np.fromiter(
+            said_on(spans, map(_at, rows)), float, n), False))
     if cfg.recency_weight and present and n:
         # shown at 0 too: the oldest candidate is 0 by definition, not by omission
         steps.append(("recency", cfg.recency_weight * _span(rows, now), True))
