@@ -1,8 +1,9 @@
 """The dense search cache of both stores: the vectors of one scope and key name in a numpy
 matrix, with what visibility needs per row, so a search filters and scores in numpy; the
 `text` slab also holds each memory's ranking fields, so the candidate pool costs no SQL.
-Each store follows its database into it (sqlite/store.py, postgres/store.py); the SQLite store
-saves a large one beside the database (`state` / `restore`) and a new process starts from it."""
+A process's slabs are held and kept exact by cache.py (refresh.py); the SQLite store saves a
+large one beside the database (`state` / `restore`, sqlite/slabfiles.py) and a new process
+starts from it."""
 
 from __future__ import annotations
 
