@@ -3,7 +3,7 @@ the memory's time is evidence its text seldom repeats."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from engram import Memory
 from engram.pipeline.dates import Span, asked_dates, said_on
@@ -34,10 +34,17 @@ def test_said_on_reads_each_time_as_its_day_in_utc() -> None:
     times = [datetime(2023, 6, 3, 23, 59, tzinfo=UTC).timestamp(),
              datetime(2023, 6, 4, 0, 0, tzinfo=UTC).timestamp(),
              datetime(2022, 6, 3, 12, 0, tzinfo=UTC).timestamp()]
-    assert said_on([Span(2023, 6, 3)], times) == [True, False, False]
-    assert said_on([Span(None, 6, 3)], times) == [True, False, True]
-    assert said_on([Span(2023)], times) == [True, True, False]
-    assert said_on([], times) == [False, False, False]
+    assert said_on([Span(2023, 6, 3)], times).tolist() == [True, False, False]
+    assert said_on([Span(None, 6, 3)], times).tolist() == [True, False, True]
+    assert said_on([Span(2023)], times).tolist() == [True, True, False]
+    assert said_on([Span(2022, 6), Span(None, None, 4)], times).tolist() == [False, True, True]
+    assert said_on([], times).tolist() == [False, False, False]
+    # every day of four years, leap day included, as the calendar has it
+    start = datetime(2023, 1, 1, 12, tzinfo=UTC)
+    days = [start + timedelta(days=i) for i in range(4 * 366)]
+    for span in (Span(2024, 2, 29), Span(None, 12, 31), Span(2025, 3), Span(None, None, 1)):
+        assert said_on([span], [d.timestamp() for d in days]).tolist() == [
+            span.holds(d.date()) for d in days]
 
 
 def test_what_was_said_on_the_day_asked_comes_first(mem: Memory) -> None:

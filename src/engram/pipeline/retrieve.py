@@ -425,8 +425,8 @@ def rank_arrays(fused: Fused, candidates: Mapping[str, Candidate], query: str,
     # evidence its text seldom repeats (the same evidence as a time named for "when").
     spans = asked_dates(query) if cfg.when_boost else []
     if spans and n:
-        steps.append(("date", cfg.when_boost * np.fromiter(
-            said_on(spans, map(_at, rows)), float, n), False))
+        steps.append(("date", cfg.when_boost * said_on(
+            spans, np.fromiter(map(_at, rows), float, n)), False))
     if cfg.recency_weight and present and n:
         # shown at 0 too: the oldest candidate is 0 by definition, not by omission
         steps.append(("recency", cfg.recency_weight * _span(rows, now), True))
