@@ -24,6 +24,7 @@ def test_the_days_months_and_years_a_question_names() -> None:
 def test_what_is_no_date() -> None:
     assert asked_dates("Where does Ana live?") == []
     assert asked_dates("I may go to the beach") == []          # the verb
+    assert asked_dates("Which of the 3 may I take in 2 may?") == []
     assert asked_dates("What have I learnt since 2023?") == []  # a span to now
     assert asked_dates("What did I do last week?") == []        # relative: no anchor
     assert asked_dates("Plans for 30 February 2023?") == []     # no such day

@@ -11,8 +11,8 @@ A date is a day, a month or a year, written out: "October 13, 2023", "13 October
 "1 February, 2023", "2023-10-13", "October 2023", "in June" (June of any year), "June 3"
 (that day of any year), "in 2023" ("since 2023" is no date: it is a span to now). Relative
 dates ("last week") need an anchor the question does not have and are left to the other
-signals. "May" is a month only where a day or a year stands by it, after "in" ("in May"), or
-in a list of months ("April and May"): elsewhere it is the verb, or a name.
+signals. "May" is a month only capitalised and where a day or a year stands by it, after "in"
+("in May"), or in a list of months ("April and May"): elsewhere it is the verb, or a name.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class Span:
                 and (self.day is None or day.day == self.day))
 
 
-_M = "(" + "|".join(MONTHS) + ")"
+# "may" is a month only as "May" (capitalised), and then only where a form below reads it
+_M = "(" + "|".join("(?-i:May)" if m == "may" else m for m in MONTHS) + ")"
 _Y = r"((?:19|20)\d\d)"
 _D = r"(\d{1,2})(?:st|nd|rd|th)?"
 # the longest forms first: each match's text is taken out before the shorter forms are read
