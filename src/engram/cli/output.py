@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from rich.text import Text
 
 # The order stages are shown in; keys a future stage adds are appended after these.
-STAGES = ("dense", "window", "fact", "lexical", "fused", "speaker", "when", "session", "newer", "recency",
-          "importance", "score")
+STAGES = ("dense", "window", "fact", "lexical", "fused", "speaker", "when", "date", "session", "newer",
+          "recency", "importance", "score")
 
 
 def console(stderr: bool = False) -> Console:

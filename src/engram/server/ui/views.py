@@ -18,8 +18,8 @@ from ...errors import InvalidFilter, InvalidInput
 
 # The order score stages are shown in, as `engram search --explain` shows them; stages a future
 # retriever adds (graph, ...) come after these, by name.
-STAGES = ("dense", "window", "fact", "lexical", "fused", "speaker", "when", "session", "newer",
-          "recency", "importance", "score")
+STAGES = ("dense", "window", "fact", "lexical", "fused", "speaker", "when", "date", "session",
+          "newer", "recency", "importance", "score")
 SCAN_LIMIT = 5000   # memories read to summarise the scopes of a tenant (the page says when it stops)
 CHAIN_LIMIT = 20    # versions followed each way along a supersede chain
 PAGE = 100          # the REST API's largest page (MAX_PAGE)
