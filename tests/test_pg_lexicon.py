@@ -131,6 +131,35 @@ def test_the_lexicon_scores_as_the_bm25_statement(store: PostgresStore,
     assert check(store, rng) > 500
 
 
+def test_phrases_of_three_tokens_or_more_score_as_the_bm25_statement(
+        store: PostgresStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lexicon counts `o'neil's` (`o neil s`) in its documents' tokens, as the statement
+    counts it in `lex_body`: overlapping occurrences too, never the pairs apart."""
+    rng = random.Random(9)
+    fill(store, 200, rng)  # type: ignore[arg-type]
+    said = [("we met o'neil's friend at o'neil's place", ""), ("o neil went, neil s later", "o'neil's"),
+            ("s s s s", "s s"), ("rock'n'roll'n'roll rock'n'roll", "o'neil's o'neil's"),
+            ("ramen at o'neil's place today", "")]
+    with store.write() as tx:
+        for i, (text, prev) in enumerate(said * 3):
+            r = record(text, SCOPES[i % 2], rng)
+            tx.insert(r, [Key("text", np.ones(4, dtype=np.float32) / 2)], Lexical(text, prev))
+    assert store.build_lexicon()
+    asked = [["o'neil's"], ["s's's"], ["rock'n'roll'n'roll", "ramen"], ["o'neil's place", "went"],
+             ["neil's o'neil"]]
+    statements: list[int] = []
+    real = sql.lexical
+    monkeypatch.setattr(sql, "lexical", lambda *a: statements.append(1) or real(*a))
+    ours = {(i, j): store.lexical(Query(scope=s, now=NOW), words, 10, 0.5)
+            for i, words in enumerate(asked) for j, s in enumerate((SCOPES[0], Scope()))}
+    assert not statements  # the lexicon answered
+    monkeypatch.undo()
+    for (i, j), hits in ours.items():
+        q = Query(scope=(SCOPES[0], Scope())[j], now=NOW)
+        same(hits, by_sql(store, q, asked[i], 10, 0.5), 10)
+    assert ours[(0, 1)] and ours[(1, 1)]
+
+
 def test_small_tenants_stay_on_the_statement(url: str) -> None:
     s = PostgresStore(url, lexicon_threshold=50)
     try:
@@ -384,14 +413,15 @@ def test_a_whole_set_of_documents_is_merged_once(monkeypatch: pytest.MonkeyPatch
     merged: list[int] = []
     real = lexicon.Segment.merged
     monkeypatch.setattr(lexicon.Segment, "merged", staticmethod(
-        lambda parts: (merged.append(len(parts)), real(parts))[1]))
+        lambda parts: (merged.append(sum(len(p.docs) for p in parts)), real(parts))[1]))
     rng = random.Random(8)
     docs = [follow.LexicalText(f"m{i}", sentence(rng), "", "o1") for i in range(200)]
     f = LexicalFollower()
     with f.lock:
         lex = f.apply(LexicalChanges(-1, 7, documents=iter(docs), whole=True))
         assert lex is not None and (lex.count, lex.version) == (200, 7)
-        assert len(merged) <= 2 and len(lex.segments) <= 2  # 20 batches: merged once
+        # 20 batches of one size: merged once, by eight (Lexicon.merge), none twice
+        assert merged and sum(merged) <= sum(len(s.docs) for s in lex.segments)
         assert {m for m, _ in lex.search(["ramen"], [], 500, 0.5, set) or []} == {
             d.id for d in docs if "ramen" in d.body}
         f.drop()

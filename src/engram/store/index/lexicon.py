@@ -12,8 +12,12 @@ log; both stores share it):
   read back through `fts5vocab`), so a word stems, folds and splits exactly as it is indexed;
 * a term is a token or a pair of adjacent tokens of one column (a quoted query term is a
   phrase: `caroline's` is `carolin s`, found through the pair); its postings are the documents
-  holding it, with its count in the body and in the previous-turn context. Phrases of three
-  tokens or more are rare and are left to FTS5 (`search` returns None);
+  holding it, with its count in the body and in the previous-turn context;
+* a phrase of three tokens or more (`o'neil's` is `o neil s`) is found in the documents
+  holding each of its adjacent pairs, then counted in their tokens, which the index keeps in
+  order (`seq`: 4 bytes a token, about a third of the postings): the documents holding the pairs
+  need not hold the phrase (`o neil` and `neil s` apart), and how often it occurs is its
+  count at each position, overlapping ones too (FTS5's), which no count of pairs gives;
 * a document's length counts all three columns (the scope tokens too), as FTS5's does, and the
   scope of a search is the documents holding all its scope tokens, as in the SQL MATCH.
 
@@ -22,8 +26,9 @@ logged in `lex_log` in the writing transaction (by triggers on `memories`: schem
 the memory, and a search first applies the entries past the ones it has seen (any process may
 have written them): the memory's old document dies, its current one (if any) is indexed again.
 Documents are numbered by memory (`rids`), never by a row number a database may give again.
-New documents go to small segments, merged when they are many; a quarter dead rebuilds the
-whole index.
+New documents go to small segments, merged by size (`merge`: each document is merged again
+only as often as its segment grows eightfold, so a small write never merges a large index);
+a quarter dead rebuilds the whole index.
 
 The log stays bounded (sqlite/lexlog.py `prune_log`, on every write): past `keep` entries the
 older half is deleted and `meta.lex_horizon` records the last id gone. An index older than the
@@ -79,11 +84,13 @@ class Ranked:
 Doc = tuple[int, str, str, str, str]
 # (number, memory id, tokens of the body, of the context, of the scope): one already tokenised
 Tokens = tuple[int, str, Sequence[str], Sequence[str], Sequence[str]]
-MAX_SEGMENTS = 8
+FANOUT = 8  # segments of one size class merged into one (`merge`)
 MAX_DEAD = 0.25
 BATCH = 20_000       # documents tokenised at once while building
 MAGIC = b"engram-lexicon\n\x00"  # the first 16 bytes of a saved index
-FORMAT = 2  # 2: documents numbered by memory (index/follow.py), no longer by memory_fts rowid
+FORMAT = 3  # 2: documents numbered by memory (index/follow.py), no longer by memory_fts rowid;
+# 3: with the documents' tokens (`seq`)
+GAP = -1  # in `seq`: after each column (a phrase never spans two), and for no token
 
 log = logging.getLogger("engram.store")
 
@@ -92,6 +99,15 @@ def _tf(counts: np.ndarray, out: np.ndarray) -> None:
     np.maximum(counts, 1.0, out=out)
     np.log(out, out=out)
     out += counts > 0
+
+
+def size_class(postings: int) -> int:
+    """A segment's order of magnitude, base FANOUT (`Lexicon.merge`)."""
+    c = 0
+    while postings >= FANOUT:
+        postings //= FANOUT
+        c += 1
+    return c
 
 
 def pair_key(a: Any, b: Any) -> Any:
@@ -179,6 +195,12 @@ class Lexicon:
         self.alive = np.zeros(0, dtype=bool)
         self.ids: list[str] = []                   # its memory's id
         self.doc_of = np.zeros(0, dtype=np.int32)  # per number: its live document, or -1
+        # every document's text and previous turn as token ids, in order, each followed by a
+        # GAP (a phrase of three tokens or more is counted in them): document d's are
+        # seq[at[d]:at[d + 1]], its text's before mid[d]
+        self.seq = np.zeros(0, dtype=np.int32)
+        self.at = np.zeros(1, dtype=np.int64)
+        self.mid = np.zeros(0, dtype=np.int64)
         self.n = 0
         self.count = 0      # live documents: FTS5's N
         self.total = 0.0    # their tokens: N * avgdl
@@ -219,15 +241,25 @@ class Lexicon:
             self.merge()
 
     def merge(self) -> None:
-        """Merge segments once they are many (a build adds its batches first, then merges
-        once: merging after each batch would merge everything again and again)."""
-        # the small segments of the latest writes merge with each other; with the first,
-        # largest one only once they add up to a quarter of it
-        if len(self.segments) > MAX_SEGMENTS:
-            first, *rest = self.segments
-            tail = Segment.merged(rest)
-            self.segments = [Segment.merged([first, tail])] \
-                if len(tail.docs) > len(first.docs) // 4 else [first, tail]
+        """Merge the segments of a size class once it holds FANOUT of them (a build adds its
+        batches first, then merges once: merging after each batch would merge everything
+        built so far again and again).
+
+        A segment's class is its postings' order of magnitude, base FANOUT; merged, FANOUT
+        of them make one of the class above. A posting is thus rewritten about
+        log_FANOUT(postings) times in all, the few documents of a small write merge with
+        segments as small as theirs, and the large segments of a build only with each other,
+        when eight of them are there (a search after a write never merges the whole index).
+        The classes hold at most FANOUT - 1 segments each: a few dozen lookups a term."""
+        while True:
+            classes: dict[int, list[int]] = {}
+            for i, seg in enumerate(self.segments):
+                classes.setdefault(size_class(len(seg.docs)), []).append(i)
+            full = next((group for group in classes.values() if len(group) >= FANOUT), None)
+            if full is None:
+                return
+            merged = Segment.merged([self.segments[i] for i in full])
+            self.segments = [seg for i, seg in enumerate(self.segments) if i not in full] + [merged]
 
     def _add(self, docs: Sequence[Doc]) -> None:
         if not docs:
@@ -292,6 +324,7 @@ class Lexicon:
         all_cols = np.concatenate([cs, cs[adj]])
         self.segments.append(Segment.of(keys, all_docs, all_cols))
         self._grow(base + len(docs))
+        self._sequence(len(docs), toks, dids, cs, offs)
         self.rids[base:base + len(docs)] = [d[0] for d in docs]
         self.lens[base:base + len(docs)] = lens
         self.alive[base:base + len(docs)] = True
@@ -305,12 +338,38 @@ class Lexicon:
         self.total += float(lens.sum())
         self._scopes.clear()
 
+    def _sequence(self, m: int, toks: np.ndarray, dids: np.ndarray, cs: np.ndarray,
+                  offs: np.ndarray) -> None:
+        """`seq` of `m` new documents, from their occurrences sorted by document, column and
+        offset (a column's tokens at their offsets: FTS5 matches a phrase by offset)."""
+        text = cs < 2
+        toks, dids, cs, offs = toks[text], dids[text], cs[text].astype(np.int64), offs[text]
+        width = np.zeros((2, m), dtype=np.int64)  # per column and document: its last offset + 1
+        last = np.flatnonzero(np.append((dids[1:] != dids[:-1]) | (cs[1:] != cs[:-1]), True)) \
+            if len(dids) else np.zeros(0, dtype=np.int64)
+        width[cs[last], dids[last]] = offs[last] + 1
+        size = width[0] + width[1] + 2
+        start = int(self.at[self.n]) + np.cumsum(size) - size
+        end = int(start[-1] + size[-1])
+        if end > len(self.seq):
+            grown = np.full(max(end, 2 * len(self.seq)), GAP, dtype=np.int32)
+            grown[:self.at[self.n]] = self.seq[:self.at[self.n]]
+            self.seq = grown
+        self.seq[self.at[self.n]:end] = GAP
+        self.seq[start[dids] + offs + cs * (width[0][dids] + 1)] = toks
+        self.at[self.n + 1:self.n + m + 1] = start + size
+        self.mid[self.n:self.n + m] = start + width[0]
+
     def _grow(self, need: int) -> None:
         if need <= len(self.rids):
             return
         cap = max(need, 2 * len(self.rids), 1024)
         self.rids = np.resize(self.rids, cap)
         self.lens = np.resize(self.lens, cap)
+        self.mid = np.resize(self.mid, cap)
+        at = np.zeros(cap + 1, dtype=np.int64)
+        at[:len(self.at)] = self.at
+        self.at = at
         alive = np.zeros(cap, dtype=bool)
         alive[:len(self.alive)] = self.alive
         self.alive = alive
@@ -353,7 +412,8 @@ class Lexicon:
         return {"format": FORMAT, "tokenize": TOKENIZE, "version": self.version,
                 "erasures": self.erasures, "n": n, "count": self.count, "total": self.total,
                 "terms": len(self.vocab), "segments": len(self.segments)}, \
-            [*out, self.rids[:n].copy(), self.lens[:n].copy(), self.alive[:n].copy(), terms, ids]
+            [*out, self.seq[:self.at[n]], self.at[:n + 1].copy(), self.mid[:n].copy(),
+             self.rids[:n].copy(), self.lens[:n].copy(), self.alive[:n].copy(), terms, ids]
 
     @staticmethod
     def write(path: Path, token: int, state: tuple[dict[str, Any], list[np.ndarray]]) -> Path:
@@ -371,7 +431,7 @@ class Lexicon:
             return None
         head, arrays = found
         try:
-            *segs, rids, lens, alive, terms, ids = arrays
+            *segs, seq, at, mid, rids, lens, alive, terms, ids = arrays
             lex = cls()
             lex.segments = [Segment(*segs[i:i + 5]) for i in range(0, len(segs), 5)]
             lex.vocab = {t: i for i, t in enumerate(unpack(terms, head["terms"]))}
@@ -382,6 +442,7 @@ class Lexicon:
         n = lex.n = head["n"]
         lex.rids, lex.lens, lex.alive = rids.astype(np.int64), lens.astype(np.float64), \
             alive.astype(bool)
+        lex.seq, lex.at, lex.mid = seq.astype(np.int32), at.astype(np.int64), mid.astype(np.int64)
         lex._map(int(rids.max()) if n else 0)
         live = np.flatnonzero(lex.alive)
         lex.doc_of[lex.rids[live]] = live.astype(np.int32)
@@ -402,6 +463,47 @@ class Lexicon:
         a, b = ids
         assert a is not None and b is not None
         return int(pair_key(a, b))
+
+    def _phrase_postings(self, phrase: Sequence[str]) -> tuple[np.ndarray, np.ndarray,
+                                                               np.ndarray, int | None]:
+        """The live documents holding a phrase, with its counts per column, and its term key
+        (None: a phrase of three tokens or more, which no term holds)."""
+        if len(phrase) <= 2:
+            key = self._phrase_key(phrase)
+            key = -1 if key is None else key
+            return (*self._postings(key), key)
+        ids = [self.vocab.get(t) for t in phrase]
+        if any(i is None for i in ids):
+            return (*self._postings(-1), None)
+        return (*self._occurrences([i for i in ids if i is not None]), None)
+
+    def _occurrences(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The live documents holding the phrase of these tokens (three or more) in their
+        text or previous turn, with its occurrences in each: those holding each of its
+        adjacent pairs, its occurrences counted in their tokens (`seq`) at every offset, as
+        FTS5 counts them (overlapping ones too)."""
+        pairs = sorted((self._postings(int(pair_key(a, b)))[0]
+                        for a, b in zip(ids, ids[1:], strict=False)), key=len)
+        docs = pairs[0]
+        for other in pairs[1:]:
+            docs = np.intersect1d(docs, other, assume_unique=True)
+        starts, ends = self.at[docs], self.at[docs.astype(np.int64) + 1]
+        lens = ends - starts
+        total = int(lens.sum())
+        owner = np.repeat(np.arange(len(docs)), lens)
+        where = np.arange(total, dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
+        # each document's tokens end with a GAP: a phrase never runs into the next one
+        tokens = np.append(self.seq[where], np.full(len(ids), GAP, dtype=np.int32))
+        hit = tokens[:total] == ids[0]
+        for j, t in enumerate(ids[1:], 1):
+            hit &= tokens[j:j + total] == t
+        at = np.flatnonzero(hit)
+        doc = owner[at]
+        in_text = where[at] < self.mid[docs[doc]]
+        body = np.bincount(doc[in_text], minlength=len(docs)).astype(np.float32)
+        ctx = np.bincount(doc[~in_text], minlength=len(docs)).astype(np.float32)
+        held = (body > 0) | (ctx > 0)
+        return docs[held].astype(np.int32), body[held], ctx[held]
 
     def _postings(self, key: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The live documents holding a term, with its counts per column."""
@@ -443,10 +545,9 @@ class Lexicon:
         return None if everything else mask
 
     def top(self, terms: Sequence[str], owners: Sequence[str], size: int,
-            previous_weight: float) -> tuple[np.ndarray, np.ndarray] | None:
+            previous_weight: float) -> tuple[np.ndarray, np.ndarray]:
         """The best `size` in-scope documents any term matches (fewer when fewer match), best
-        first, with their `-bm25()`; None when a term is a phrase of three tokens or more
-        (FTS5 answers those).
+        first, with their `-bm25()`.
 
         Exact without scoring every match (MaxScore): a document that none of the phrases
         with the highest bounds holds scores at most the sum of the other phrases' bounds
@@ -457,28 +558,22 @@ class Lexicon:
         document's score is the very float a full scoring gives (its terms added in query
         order); among documents tied at the cut, which ones are returned may differ (as it
         may between FTS5 and this index)."""
-        phrases = []
-        for term in terms:
-            p = self.query_tokens.phrase(term)
-            if len(p) > 2:
-                return None
-            if p:
-                phrases.append(p)
+        phrases = [p for p in map(self.query_tokens.phrase, terms) if p]
         if not phrases or not self.count or size <= 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         scope = self.in_scope(owners)
         posted = []  # per phrase: its in-scope postings, IDF and bound
         for p in phrases:
-            key = self._phrase_key(p)
-            key = -1 if key is None else key
-            docs, body, ctx = self._postings(key)
+            docs, body, ctx, key = self._phrase_postings(p)
             # n(p): the documents whose text holds it (bm25.py: not their previous turn's)
             idf = bm25.idf(self.count, int(np.count_nonzero(body)))
             if scope is not None:
                 keep = scope[docs]
                 docs, body, ctx = docs[keep], body[keep], ctx[keep]
             # a hair above the bound: a score is summed in floats, the bound in others
-            bound = idf * self._bound(key, previous_weight) * (1 + 1e-9) if len(docs) else 0.0
+            most = self._bound(key, previous_weight) if key is not None else \
+                self._most(docs, body, ctx, previous_weight)
+            bound = idf * most * (1 + 1e-9) if len(docs) else 0.0
             posted.append((docs, body, ctx, idf, bound))
         order = sorted(range(len(posted)), key=lambda i: -posted[i][4])
         rest = [0.0] * (len(order) + 1)  # rest[j]: the most a document outside order[:j] scores
@@ -544,6 +639,19 @@ class Lexicon:
                 best = max(best, f * (K1 + 1.0) / (f + norm))
         return best
 
+    def _most(self, docs: np.ndarray, body: np.ndarray, ctx: np.ndarray,
+              previous_weight: float) -> float:
+        """`_bound` of a phrase of three tokens or more, from its postings (no segment keeps
+        its peaks): the most its fraction is over these documents."""
+        if not len(docs):
+            return 0.0
+        f = np.zeros(len(docs))
+        _tf(body, f)
+        tail = np.zeros(len(docs))
+        _tf(ctx, tail)
+        f += tail * max(previous_weight, 0.0)
+        return float(np.max(f * (K1 + 1.0) / (f + self._norms()[docs])))
+
     def _accumulate(self, score: np.ndarray, docs: np.ndarray, body: np.ndarray,
                     ctx: np.ndarray, idf: float, previous_weight: float) -> None:
         """Add a phrase's term to its documents' scores: idf * (f * (K1 + 1) / (f + norm))
@@ -575,24 +683,19 @@ class Lexicon:
 
     def search(self, terms: Sequence[str], owners: Sequence[str], k: int, previous_weight: float,
                visible: Callable[[list[str]], set[str]],
-               pool: int | None = None) -> list[tuple[str, float]] | None:
+               pool: int | None = None) -> list[tuple[str, float]]:
         """The best `k` visible memories by BM25 (`visible` keeps the ids the query may see:
         the SQL's other conditions), in growing pools."""
         size = pool or first_pool(k)
         while True:
             ranked = self.ranked(terms, owners, size, previous_weight)
-            if ranked is None:
-                return None
             hits = ranked.visible(visible)
             if len(hits) >= k or ranked.whole:
                 return hits[:k]
             size *= 4
 
     def ranked(self, terms: Sequence[str], owners: Sequence[str], size: int,
-               previous_weight: float) -> Ranked | None:
-        """`top` as memory ids, before any visibility check (None: FTS5 answers)."""
-        found = self.top(terms, owners, size, previous_weight)
-        if found is None:
-            return None
-        docs, score = found
+               previous_weight: float) -> Ranked:
+        """`top` as memory ids, before any visibility check."""
+        docs, score = self.top(terms, owners, size, previous_weight)
         return Ranked(list(map(self.ids.__getitem__, docs.tolist())), score.tolist(), len(docs) < size)
