@@ -620,8 +620,7 @@ class PostgresStore(SQLStore):
                       visible: Callable[[list[str]], set[str]]) -> list[tuple[str, float]] | None:
         """The best `k` visible memories by the lexicon, once it has applied `rows` (the log
         past `since`: sql.lex_changes); None when SQL answers: the log cannot be followed
-        (the lexicon is dropped at once and built again on the helper thread), or a phrase
-        of three tokens or more."""
+        (the lexicon is dropped at once and built again on the helper thread)."""
         changes = self._lexicons.changes(since, rows)
         with follower.lock:
             lex = None if changes is None else follower.apply(changes)

@@ -418,10 +418,8 @@ class SQLiteStore(SQLStore):
                     lambda ids: self._lexical_visible(query, ids))
             if hits is not None:
                 return hits
-            if lex is not None:
-                log.debug("lexical: a phrase of three tokens or more, FTS5 answers")
         rows = self._read(*sql.lexical(query, terms))
-        with closing(Tokenizer()) as tokenizer:  # per search: writes, long phrases, small files
+        with closing(Tokenizer()) as tokenizer:  # per search: writes, small files
             return sql.lexical_hits(rows, tokenizer, terms, k, previous_weight)
 
     def _lexicon(self) -> Lexicon | None:
@@ -527,8 +525,8 @@ class SQLiteStore(SQLStore):
 
     def _lexical_ranked(self, query: Query, terms: Sequence[str], k: int,
                         previous_weight: float) -> lexicon.Ranked | None:
-        """On the helper thread: the lexicon's first ranking for a search of `k` (None: FTS5
-        answers, or there is no lexicon). Its visibility is checked by the searching thread
+        """On the helper thread: the lexicon's first ranking for a search of `k` (None: there
+        is no lexicon). Its visibility is checked by the searching thread
         once its dense keys are done: the check reads the `text` cache, whose lock the dense
         search holds throughout, and waiting for it here made the lexical side 4 ms longer at
         1M in one scope."""
