@@ -17,6 +17,7 @@ from .. import cachefile
 from ..index.cache import DenseCache, SlabKey
 from ..index.slab import Slab
 from ..records import Dialect
+from . import sql
 
 log = logging.getLogger("engram.store")
 
@@ -120,8 +121,7 @@ class SlabFiles:
         (unnamed by an erasure whose process died before removing them, half-written)."""
         if self.directory is None or not self.directory.exists():
             return
-        named = {row[0] for row in self._read(
-            "SELECT name FROM meta WHERE name GLOB 'slab_file:*' AND value <> 0")} if keep else set()
+        named = {row[0] for row in self._read(sql.SLAB_FILES)} if keep else set()
         for f in self.directory.iterdir():
             if f"slab_file:{f.name}" not in named:
                 f.unlink(missing_ok=True)

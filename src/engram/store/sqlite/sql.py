@@ -14,9 +14,10 @@ from ...filters import RECORD_FIELDS, Condition
 from ...model import MemoryRecord, Scope
 from .. import bm25
 from .. import records as r
-from ..base import Query
+from ..base import Key, Query
 
 BUMP_KEYS = "UPDATE meta SET value = value + 1 WHERE name = 'keys_version'"
+BUMP_ROWS = "UPDATE meta SET value = value + 1 WHERE name = 'rows_version'"
 
 
 def _dumps(value: Any) -> str:
@@ -73,15 +74,72 @@ def update_memory(rec: MemoryRecord) -> r.Stmt:
     return f"UPDATE memories SET {sets} WHERE id = ?", [*r.memory_values(DIALECT, rec)[1:], rec.id]
 
 
+# The largest rid given so far (a bulk insert, holding the write lock, gives the next ones)
+TOP_RID = "SELECT coalesce(max(rid), 0) FROM memories"
+RID = "SELECT rid FROM memories WHERE id = ?"
+
+
+def insert_memories(first_rid: int, recs: Sequence[MemoryRecord]) -> tuple[str, list[list[Any]]]:
+    """`insert_memory` of many rows (executemany), with the rids `first_rid` on."""
+    names = ("rid", *r.MEMORY_COLUMNS)
+    return (f"INSERT INTO memories ({', '.join(names)}) VALUES ({DIALECT.marks(len(names))})",
+            [[rid, *r.memory_values(DIALECT, rec)] for rid, rec in enumerate(recs, first_rid)])
+
+
+def insert_keys(keys: Sequence[tuple[str, Key]]) -> tuple[str, list[tuple[str, str, bytes]]]:
+    """Keys, each with its memory's id (executemany), their vectors as float32 blobs."""
+    return ("INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
+            [(mid, k.name, np.asarray(k.vector, dtype=np.float32).tobytes()) for mid, k in keys])
+
+
+def soft_delete(ids: Sequence[str], at: datetime) -> r.Stmt:
+    return (f"UPDATE memories SET deleted_at = ?, updated_at = ? WHERE id IN "
+            f"({DIALECT.marks(len(ids))})", [at.timestamp(), at.timestamp(), *ids])
+
+
+def drop_keys(ids: Sequence[str]) -> r.Stmt:
+    return f"DELETE FROM memory_keys WHERE memory_id IN ({DIALECT.marks(len(ids))})", list(ids)
+
+
+def drop_keys_of(memory_id: str) -> r.Stmt:
+    """The keys of one memory (an update replacing them)."""
+    return "DELETE FROM memory_keys WHERE memory_id = ?", [memory_id]
+
+
+def drop_texts(ids: Sequence[str]) -> r.Stmt:
+    """The FTS5 rows of these memories (before the memories themselves go)."""
+    return (f"DELETE FROM memory_fts WHERE rowid IN "
+            f"(SELECT rid FROM memories WHERE id IN ({DIALECT.marks(len(ids))}))", list(ids))
+
+
+def drop_text(rid: int) -> r.Stmt:
+    return "DELETE FROM memory_fts WHERE rowid = ?", [rid]
+
+
+def erase_events(ids: Sequence[str]) -> r.Stmt:
+    return f"DELETE FROM events WHERE memory_id IN ({DIALECT.marks(len(ids))})", list(ids)
+
+
+def erase_memories(ids: Sequence[str]) -> r.Stmt:
+    return f"DELETE FROM memories WHERE id IN ({DIALECT.marks(len(ids))})", list(ids)
+
+
 def owner_tokens(scope: Scope) -> list[str]:
     """The scope's tokens `memory_fts` keeps in its `owner` column (bm25.scope_tokens: the
     PostgreSQL store's lexicon gives its documents the same)."""
     return bm25.scope_tokens(scope)
 
 
+_INDEX_TEXT = "INSERT INTO memory_fts(rowid, body, context, owner) VALUES (?, ?, ?, ?)"
+
+
 def index_text(rid: int, scope: Scope, body: str, previous: str) -> r.Stmt:
-    return ("INSERT INTO memory_fts(rowid, body, context, owner) VALUES (?, ?, ?, ?)",
-            [rid, body, previous, " ".join(owner_tokens(scope))])
+    return _INDEX_TEXT, [rid, body, previous, " ".join(owner_tokens(scope))]
+
+
+def index_texts(rows: Sequence[tuple[int, Scope, str, str]]) -> tuple[str, list[list[Any]]]:
+    """`index_text` of many rows (executemany): each its rid, scope, body and previous turn."""
+    return _INDEX_TEXT, [index_text(*row)[1] for row in rows]
 
 
 def lexical_documents(ids: Sequence[str] | None = None) -> r.Stmt:
@@ -265,3 +323,64 @@ def key_vectors(ids: Sequence[str], key_name: str) -> r.Stmt:
 
 def alive_keys(seqs: Sequence[int]) -> r.Stmt:
     return f"SELECT seq FROM memory_keys WHERE seq IN ({DIALECT.marks(len(seqs))})", list(seqs)
+
+
+# -- the store's bookkeeping: meta, access counts, jobs, maintenance ----------------------------------
+
+META = "SELECT name, value FROM meta"
+ERASURES = "SELECT value FROM meta WHERE name = 'erasures'"
+LEX_FILE = "SELECT value FROM meta WHERE name = 'lex_file'"  # the saved lexicon's token
+SLAB_FILES = "SELECT name FROM meta WHERE name GLOB 'slab_file:*' AND value <> 0"
+
+
+def set_meta(name: str, value: int) -> r.Stmt:
+    return ("INSERT INTO meta(name, value) VALUES (?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET value = excluded.value", [name, value])
+
+
+def access_counts(counts: Sequence[tuple[Sequence[str], datetime]]) -> tuple[str, list[Any]]:
+    """The accesses `counts` holds (each a search's ids and time) as one row per memory
+    (executemany): how many, and the latest time."""
+    by_id: dict[str, tuple[int, float]] = {}
+    for ids, at in counts:
+        t = at.timestamp()
+        for mid in ids:
+            n, last = by_id.get(mid, (0, t))
+            by_id[mid] = (n + 1, max(last, t))
+    return ("UPDATE memories SET access_count = access_count + ?1, "
+            "last_accessed_at = max(ifnull(last_accessed_at, ?2), ?2) WHERE id = ?3",
+            [(n, last, mid) for mid, (n, last) in by_id.items()])
+
+
+AUTOCHECKPOINT_PAGES = 1000  # SQLite's default, which conn.py leaves in place
+
+
+def counting_pragmas(wait_s: float) -> list[str]:
+    """The connection's settings while it commits access counts: waiting for other processes'
+    writers at most `wait_s`; without an fsync per commit (in WAL mode NORMAL: a power cut
+    may lose the last counts, never corrupt the file) nor a checkpoint (the background
+    thread's, every so many commits)."""
+    return [f"PRAGMA busy_timeout = {int(wait_s * 1000)}", "PRAGMA synchronous = NORMAL",
+            "PRAGMA wal_autocheckpoint = 0"]
+
+
+def writing_pragmas(busy_timeout_s: float) -> list[str]:
+    """The settings `counting_pragmas` changed, back as conn.py sets them for every write."""
+    return ["PRAGMA synchronous = FULL", f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES}",
+            f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}"]
+
+
+CHECKPOINT = "PRAGMA wal_checkpoint(PASSIVE)"  # as far as no reader needs the WAL; never waits
+CHECKPOINT_TRUNCATE = "PRAGMA wal_checkpoint(TRUNCATE)"  # and empties it (reclaim)
+
+
+def next_job(now: datetime) -> r.Stmt:
+    """The oldest runnable job (read inside a write: one claimer at a time)."""
+    runnable = r.runnable_jobs(DIALECT, "", now)
+    return (f"SELECT {r.columns('m', r.JOB_COLUMNS)} FROM jobs m "
+            f"WHERE {runnable.sql} ORDER BY m.run_at, m.id LIMIT 1", runnable.params)
+
+
+FTS_OPTIMIZE = "INSERT INTO memory_fts(memory_fts) VALUES ('optimize')"  # merge its segments
+FTS_SECURE_DELETE = "SELECT v FROM memory_fts_config WHERE k = 'secure-delete'"
+FTS_SECURE_DELETE_ON = "INSERT INTO memory_fts(memory_fts, rank) VALUES ('secure-delete', 1)"

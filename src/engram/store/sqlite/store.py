@@ -49,7 +49,7 @@ COUNTS_READ_WAIT_S = 0.05
 # it into the database and fsyncs, ~20 ms here: access counts leave that to the background
 # thread, once every this many counting commits.
 COUNTS_CHECKPOINT_EVERY = 64
-AUTOCHECKPOINT_PAGES = 1000
+AUTOCHECKPOINT_PAGES = sql.AUTOCHECKPOINT_PAGES  # what a write's commit checkpoints past
 
 
 class SQLiteStore(SQLStore):
@@ -111,7 +111,7 @@ class SQLiteStore(SQLStore):
             secure_fts_delete(self._db)
         # a saved index the database no longer names (an erasure whose process died before
         # removing it), or any beside an encrypted database (saved while it was plain), goes
-        named = self._read("SELECT value FROM meta WHERE name = 'lex_file'")  # none: too old
+        named = self._read(sql.LEX_FILE)  # none: too old
         if self._db.encrypted or not named or not named[0][0]:
             self._forget_lexicon_files()
         self._slab_files.forget(keep=not self._db.encrypted)
@@ -214,12 +214,11 @@ class SQLiteStore(SQLStore):
             if tmp is None:
                 return False
             with self._db.transaction() as conn:
-                (now,), = conn.execute("SELECT value FROM meta WHERE name = 'erasures'")
+                (now,), = conn.execute(sql.ERASURES)
                 if now != erasures:
                     return False
                 tmp.replace(path)
-                conn.execute("INSERT INTO meta(name, value) VALUES (?, ?) "
-                             "ON CONFLICT(name) DO UPDATE SET value = excluded.value", (name, token))
+                conn.execute(*sql.set_meta(name, token))
             return True
         except (OSError, StoreError) as exc:  # a cache: the next build or save tries again
             log.warning("could not save %s: %s", path, exc)
@@ -249,7 +248,7 @@ class SQLiteStore(SQLStore):
         back: the cache is used as it is (committed state); inside one that did not, its keys
         are committed ones, but their rows may carry its changes: their attributes are not
         taken as exact."""
-        meta = dict(self._read("SELECT name, value FROM meta"))
+        meta = dict(self._read(sql.META))
         follow = (Follow.NONE if getattr(self._local, "dirty", False) else
                   Follow.KEYS if self._db.get().in_transaction else Follow.EXACT)
         slab = self._cache.refresh(
@@ -594,24 +593,14 @@ class SQLiteStore(SQLStore):
             return
         with self._counts_lock:
             counts, self._counts = self._counts, []
-        by_id: dict[str, tuple[int, float]] = {}
-        for ids, at in counts:
-            t = at.timestamp()
-            for mid in ids:
-                n, last = by_id.get(mid, (0, t))
-                by_id[mid] = (n + 1, max(last, t))
+        update, rows = sql.access_counts(counts)
         conn = self._db.get()
         try:
-            conn.execute(f"PRAGMA busy_timeout = {int(wait_s * 1000)}")  # other processes' writes too
-            # An access count is not worth an fsync per search: in WAL mode NORMAL commits
-            # without one (a power cut may lose the last counts, never corrupt the file).
-            conn.execute("PRAGMA synchronous = NORMAL")
-            conn.execute("PRAGMA wal_autocheckpoint = 0")
+            # An access count is not worth an fsync per search (nor a checkpoint): sql.py
+            for pragma in sql.counting_pragmas(wait_s):
+                conn.execute(pragma)
             conn.execute("BEGIN IMMEDIATE")
-            conn.executemany(
-                "UPDATE memories SET access_count = access_count + ?1, "
-                "last_accessed_at = max(ifnull(last_accessed_at, ?2), ?2) WHERE id = ?3",
-                [(n, last, mid) for mid, (n, last) in by_id.items()])
+            conn.executemany(update, rows)
             conn.execute("COMMIT")
             self._count_commits += 1
             if self._count_commits >= COUNTS_CHECKPOINT_EVERY:
@@ -625,28 +614,23 @@ class SQLiteStore(SQLStore):
                     self._counts[:0] = counts
                 self._counts_soon()
             else:
-                log.debug("access counts of %d memories skipped: %s", len(by_id), exc)
+                log.debug("access counts of %d memories skipped: %s", len(rows), exc)
         finally:
-            conn.execute("PRAGMA synchronous = FULL")
-            conn.execute(f"PRAGMA wal_autocheckpoint = {AUTOCHECKPOINT_PAGES}")
-            conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+            for pragma in sql.writing_pragmas(self.busy_timeout_s):
+                conn.execute(pragma)
             self._db.release_writer()
 
     def _checkpoint(self) -> None:
         """Copy the WAL into the database as far as no reader still needs it (PASSIVE: it
         waits for no one and blocks no one)."""
-        self._db.get().execute("PRAGMA wal_checkpoint(PASSIVE)")
+        self._db.get().execute(sql.CHECKPOINT)
 
     def claim_job(self, now: datetime, lease_until: datetime) -> Job | None:
-        d = self.dialect
-        runnable = r.runnable_jobs(d, "", now)
         with self.write() as tx:  # BEGIN IMMEDIATE: one claimer at a time across processes
-            rows = tx.conn.execute(f"SELECT {r.columns('m', r.JOB_COLUMNS)} FROM jobs m "
-                                   f"WHERE {runnable.sql} ORDER BY m.run_at, m.id LIMIT 1",
-                                   runnable.params).fetchall()
+            rows = tx.conn.execute(*sql.next_job(now)).fetchall()
             if not rows:
                 return None
-            job = r.read_job(d, rows[0])
+            job = r.read_job(self.dialect, rows[0])
             claimed = replace(job, status=JobStatus.RUNNING, attempts=job.attempts + 1,
                               lease_until=lease_until, updated_at=now)
             tx.put_job(claimed)
@@ -655,8 +639,8 @@ class SQLiteStore(SQLStore):
     def reclaim(self) -> None:
         try:
             with self.write() as tx:
-                tx.conn.execute("INSERT INTO memory_fts(memory_fts) VALUES ('optimize')")
-            self._db.get().execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                tx.conn.execute(sql.FTS_OPTIMIZE)
+            self._db.get().execute(sql.CHECKPOINT_TRUNCATE)
             self._forget_ann()
         except DB_ERRORS as exc:
             raise StoreError(f"reclaim failed: {exc}") from exc
@@ -690,26 +674,16 @@ class SQLiteTx(SQLTx):
         if not rows:
             return
         c = self.conn
-        (top,), = c.execute("SELECT coalesce(max(rid), 0) FROM memories")
-        rids = range(top + 1, top + 1 + len(rows))
-        names = ("rid", *r.MEMORY_COLUMNS)
-        c.executemany(f"INSERT INTO memories ({', '.join(names)}) VALUES "
-                      f"({self.dialect.marks(len(names))})",
-                      [[rid, *r.memory_values(self.dialect, rec)]
-                       for rid, (rec, _, _) in zip(rids, rows, strict=True)])
-        c.executemany(sql.index_text(0, rows[0][0].scope, "", "")[0],
-                      [sql.index_text(rid, rec.scope, lex.body, lex.previous)[1]
-                       for rid, (rec, _, lex) in zip(rids, rows, strict=True)])
-        c.executemany("INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
-                      [(rec.id, k.name, np.asarray(k.vector, dtype=np.float32).tobytes())
-                       for rec, keys, _ in rows for k in keys])
+        (top,), = c.execute(sql.TOP_RID)
+        c.executemany(*sql.insert_memories(top + 1, [rec for rec, _, _ in rows]))
+        c.executemany(*sql.index_texts([(rid, rec.scope, lex.body, lex.previous)
+                                        for rid, (rec, _, lex) in enumerate(rows, top + 1)]))
+        c.executemany(*sql.insert_keys([(rec.id, k) for rec, keys, _ in rows for k in keys]))
         self.keys_changed = True
         self.local.dirty = True
 
     def _put_keys(self, memory_id: str, keys: Sequence[Key]) -> None:
-        self.conn.executemany(
-            "INSERT INTO memory_keys(memory_id, kind, vector) VALUES (?, ?, ?)",
-            [(memory_id, k.name, np.asarray(k.vector, dtype=np.float32).tobytes()) for k in keys])
+        self.conn.executemany(*sql.insert_keys([(memory_id, k) for k in keys]))
         self.keys_changed = True
         self.local.dirty = True
 
@@ -717,39 +691,34 @@ class SQLiteTx(SQLTx):
                lexical: Lexical | None = None) -> None:
         # The text cache holds ranking fields (name, importance, times) that may change with
         # no key changing: the row is marked changed at a new rows version, and reloaded.
-        self._exec("UPDATE meta SET value = value + 1 WHERE name = 'rows_version'")
+        self._exec(sql.BUMP_ROWS)
         self._exec(*sql.update_memory(record))
         self._exec(sql.MARK_CHANGED, (record.id,))
         if keys is not None:
-            self._exec("DELETE FROM memory_keys WHERE memory_id = ?", (record.id,))
+            self._exec(*sql.drop_keys_of(record.id))
             self._put_keys(record.id, keys)
         if lexical is not None:
-            (rid,), = self.conn.execute("SELECT rid FROM memories WHERE id = ?", (record.id,))
-            self._exec("DELETE FROM memory_fts WHERE rowid = ?", (rid,))
+            (rid,), = self.conn.execute(sql.RID, (record.id,))
+            self._exec(*sql.drop_text(rid))
             self._exec(*sql.index_text(rid, record.scope, lexical.body, lexical.previous))
 
     def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
         for chunk in _chunks(ids, self.dialect.chunk):
-            marks = self.dialect.marks(len(chunk))
-            self._exec(f"UPDATE memories SET deleted_at = ?, updated_at = ? WHERE id IN ({marks})",
-                       [at.timestamp(), at.timestamp(), *chunk])
+            self._exec(*sql.soft_delete(chunk, at))
             self._drop_index(chunk)
 
     def _drop_index(self, ids: Sequence[str]) -> None:
-        marks = self.dialect.marks(len(ids))
-        self._exec(f"DELETE FROM memory_keys WHERE memory_id IN ({marks})", ids)
-        self._exec(f"DELETE FROM memory_fts WHERE rowid IN "
-                   f"(SELECT rid FROM memories WHERE id IN ({marks}))", ids)
+        self._exec(*sql.drop_keys(ids))
+        self._exec(*sql.drop_texts(ids))
         self.keys_changed = True
         self.local.dirty = True
 
     def erase(self, ids: Sequence[str]) -> None:
         self.erased = True
         for chunk in _chunks(ids, self.dialect.chunk):
-            marks = self.dialect.marks(len(chunk))
             self._drop_index(chunk)
-            self._exec(f"DELETE FROM events WHERE memory_id IN ({marks})", chunk)
-            self._exec(f"DELETE FROM memories WHERE id IN ({marks})", chunk)
+            self._exec(*sql.erase_events(chunk))
+            self._exec(*sql.erase_memories(chunk))
 
 
 _STORES: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
@@ -774,10 +743,10 @@ def secure_fts_delete(db: Connections) -> None:
     SQLite of Python 3.11 may not): a deleted entry's terms are removed from the index's pages
     at once, not left until the segments merge. Encrypted databases only, since a file with it
     cannot be written by an older SQLite, and only SQLCipher opens an encrypted file anyway."""
-    on = db.read("SELECT v FROM memory_fts_config WHERE k = 'secure-delete'")
+    on = db.read(sql.FTS_SECURE_DELETE)
     if not on or not on[0][0]:
         with db.transaction() as conn:
-            conn.execute("INSERT INTO memory_fts(memory_fts, rank) VALUES ('secure-delete', 1)")
+            conn.execute(sql.FTS_SECURE_DELETE_ON)
 
 
 def _chunks(items: Sequence[str], size: int) -> Iterator[list[str]]:
