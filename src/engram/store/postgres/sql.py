@@ -340,6 +340,29 @@ def update_memory(tenant: str, rec: MemoryRecord, doc: Document | None) -> r.Stm
 UNINDEX = "lex = NULL, lex_body = NULL, lex_context = NULL, lex_len = NULL"
 
 
+def soft_delete(tenant: str, ids: Sequence[str], at: datetime) -> r.Stmt:
+    """Mark the memories deleted and take them out of the lexical index."""
+    return (f"UPDATE memories SET deleted_at = %s, updated_at = %s, {UNINDEX} "
+            "WHERE tenant = %s AND id = ANY(%s)", [at, at, tenant, list(ids)])
+
+
+def drop_keys(tenant: str, ids: Sequence[str]) -> r.Stmt:
+    return "DELETE FROM memory_keys WHERE tenant = %s AND memory_id = ANY(%s)", [tenant, list(ids)]
+
+
+def drop_keys_of(tenant: str, memory_id: str) -> r.Stmt:
+    """The keys of one memory (an update replacing them)."""
+    return "DELETE FROM memory_keys WHERE tenant = %s AND memory_id = %s", [tenant, memory_id]
+
+
+def erase_events(tenant: str, ids: Sequence[str]) -> r.Stmt:
+    return "DELETE FROM events WHERE tenant = %s AND memory_id = ANY(%s)", [tenant, list(ids)]
+
+
+def erase_memories(tenant: str, ids: Sequence[str]) -> r.Stmt:
+    return "DELETE FROM memories WHERE tenant = %s AND id = ANY(%s)", [tenant, list(ids)]
+
+
 def count_in(tenant: str, doc: Document) -> r.Stmt:
     """Add a newly indexed row to the tenant's statistics: one more row, and its length."""
     return ("INSERT INTO lex_stats (tenant, rows, tokens) VALUES (%s, 1, %s) "
@@ -565,3 +588,62 @@ def claim_job(tenant: str, now: datetime, lease_until: datetime) -> r.Stmt:
             f"{runnable.sql} ORDER BY m.run_at, m.id LIMIT 1 FOR UPDATE SKIP LOCKED) "
             f"RETURNING {', '.join(r.JOB_COLUMNS)}",
             [lease_until, now, tenant, *runnable.params])
+
+
+# -- the store's transactions, access counts and upkeep ------------------------------------------
+
+def settings(tenant: str, statement_timeout_ms: int, lock_timeout_ms: int) -> r.Stmt:
+    """A transaction's settings, the tenant first (row-level security reads it). SET LOCAL
+    semantics (is_local = true): nothing outlives the transaction, so a pooled connection
+    (or a pgbouncer in transaction mode) never carries one tenant to another."""
+    return ("SELECT set_config('engram.tenant', %s, true), set_config('statement_timeout', %s, true),"
+            " set_config('lock_timeout', %s, true), set_config('TimeZone', 'UTC', true),"
+            " set_config('client_min_messages', 'warning', true)",
+            [tenant, str(statement_timeout_ms), str(lock_timeout_ms)])
+
+
+WRITE_LOCK = 0x656E6774  # pg_advisory_xact_lock key: one writer per tenant (with hashtext(tenant))
+
+
+def write_turn(tenant: str) -> r.Stmt:
+    """Wait for the tenant's turn to write, held until the transaction ends."""
+    return "SELECT pg_advisory_xact_lock(%s, hashtext(%s))", [WRITE_LOCK, tenant]
+
+
+def ef_search(count: int) -> r.Stmt:
+    """How many candidates an HNSW walk keeps (pgvector's default 40; 100 to 1000 here)."""
+    return "SELECT set_config('hnsw.ef_search', %s, true)", [str(min(1000, max(100, count)))]
+
+
+# pgvector 0.8's iterative index scans: a walk whose filter left too few rows goes on
+ITERATIVE_SCAN = "SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)"
+
+
+def touch(tenant: str, ids: Sequence[str], at: datetime) -> r.Stmt:
+    """Count an access of the memories `ids`."""
+    return ("UPDATE memories SET access_count = access_count + 1, last_accessed_at = %s "
+            "WHERE tenant = %s AND id = ANY(%s)", [at, tenant, sorted(set(ids))])
+
+
+def access(tenant: str, ids: Sequence[str], at: datetime) -> r.Stmt:
+    """`touch`, returning each record as its statement's snapshot saw it (the self-join `o`),
+    i.e. before this access."""
+    return ("UPDATE memories m SET access_count = m.access_count + 1, last_accessed_at = %s "
+            "FROM memories o WHERE m.tenant = %s AND m.id = ANY(%s) AND o.tenant = m.tenant "
+            f"AND o.id = m.id RETURNING {r.columns('o', r.MEMORY_COLUMNS)}",
+            [at, tenant, sorted(set(ids))])
+
+
+MIGRATIONS = "SELECT name FROM schema_migrations ORDER BY name"
+DATABASE_SIZE = "SELECT pg_database_size(current_database())"
+VECTOR_OID = "SELECT 'vector'::regtype::oid"  # pgvector's `vector` type: it differs by database
+ANALYZE = "ANALYZE memories, memory_keys"  # the tables a search plans over
+
+# What `reclaim` runs on the tables an erase touched, by mode (docs/postgres.md)
+RECLAIM_MODES = {"vacuum": "INDEX_CLEANUP ON", "full": "FULL", "none": ""}
+
+
+def vacuum(mode: str, tables: Sequence[str]) -> str:
+    """VACUUM of `tables` (names of ours, never user text); SKIP_LOCKED: never waits behind
+    another lock. Runs outside any transaction."""
+    return f"VACUUM ({RECLAIM_MODES[mode]}, SKIP_LOCKED) {', '.join(tables)}"

@@ -47,10 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("engram.store")
 
 V = TypeVar("V")
-_WRITE_LOCK = 0x656E6774  # pg_advisory_xact_lock key: one writer per tenant (with hashtext(tenant))
 ANALYZE_AFTER_ROWS = 200  # rows written by a process before its first ANALYZE
 TENANT_HINTS = 16_384  # tenants whose last versions a process remembers (`_Recent`)
-RECLAIM_MODES = {"vacuum": "INDEX_CLEANUP ON", "full": "FULL", "none": ""}
 
 
 class PostgresStore(SQLStore):
@@ -97,8 +95,8 @@ class PostgresStore(SQLStore):
         tenants hold together."""
         if not isinstance(tenant, str):
             raise InvalidInput("tenant must be a string")
-        if reclaim_mode not in RECLAIM_MODES:
-            raise InvalidInput(f"reclaim_mode must be one of {', '.join(RECLAIM_MODES)}")
+        if reclaim_mode not in sql.RECLAIM_MODES:
+            raise InvalidInput(f"reclaim_mode must be one of {', '.join(sql.RECLAIM_MODES)}")
         self.tenant = tenant
         self.busy_timeout_s = busy_timeout_s
         self.statement_timeout_s = statement_timeout_s or max(60.0, 2 * busy_timeout_s)
@@ -171,14 +169,9 @@ class PostgresStore(SQLStore):
     # -- connections and transactions --------------------------------------------------------
 
     def _setup(self, conn: Connection, lock_timeout_ms: int | None = None) -> None:
-        # SET LOCAL semantics (is_local = true): nothing outlives the transaction, so a pooled
-        # connection (or a pgbouncer in transaction mode) never carries one tenant to another.
         lock_ms = int(self.busy_timeout_s * 1000) if lock_timeout_ms is None else lock_timeout_ms
-        conn.execute(
-            "SELECT set_config('engram.tenant', %s, true), set_config('statement_timeout', %s, true),"
-            " set_config('lock_timeout', %s, true), set_config('TimeZone', 'UTC', true),"
-            " set_config('client_min_messages', 'warning', true)",
-            (self.tenant, str(int(self.statement_timeout_s * 1000)), str(max(1, lock_ms))))
+        conn.execute(*sql.settings(self.tenant, int(self.statement_timeout_s * 1000),
+                                   max(1, lock_ms)))
 
     def _transaction(self, lock_timeout_ms: int | None = None) -> AbstractContextManager[Connection]:
         """A pooled connection inside a fresh transaction with the tenant set."""
@@ -206,7 +199,7 @@ class PostgresStore(SQLStore):
     def _db_bytes(self, run: Run) -> int | None:
         if self.tenant:  # the database is shared: a tenant's share of it is unknown
             return None
-        return int(run("SELECT pg_database_size(current_database())", ())[0][0])
+        return int(run(sql.DATABASE_SIZE, ())[0][0])
 
     def write(self) -> AbstractContextManager[PgTx]:
         """One transaction: it commits whole when the block ends, or leaves nothing. A nested
@@ -245,8 +238,7 @@ class PostgresStore(SQLStore):
             # docs/postgres.md, "Concurrency").
             with self._pool.pipelined(self._setup) as conn:
                 if serialize:
-                    conn.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))",
-                                 (_WRITE_LOCK, self.tenant))
+                    conn.execute(*sql.write_turn(self.tenant))
                 tx = PgTx(conn, self)
                 self._local.conn = conn
                 try:
@@ -272,14 +264,14 @@ class PostgresStore(SQLStore):
             return
         self._analyzed_at = self._inserted
         try:
-            self._batch([("ANALYZE memories, memory_keys", ())], retry=False)
+            self._batch([(sql.ANALYZE, ())], retry=False)
         except (StoreBusy, StoreUnavailable) as exc:
             log.debug("ANALYZE skipped: %s", exc)
 
     def _vector_oid(self, conn: Connection) -> int:
         """pgvector's `vector` type (its oid differs between databases): binary vectors name it."""
         if not self._oid:
-            self._oid = int(conn.execute("SELECT 'vector'::regtype::oid").fetchone()[0])  # type: ignore[index]
+            self._oid = int(conn.execute(sql.VECTOR_OID).fetchone()[0])  # type: ignore[index]
         return self._oid
 
     def for_tenant(self, tenant: str) -> PostgresStore:
@@ -314,7 +306,7 @@ class PostgresStore(SQLStore):
         return self._builds.build(dim)
 
     def migrations(self) -> list[str]:
-        return [row[0] for row in self._read("SELECT name FROM schema_migrations ORDER BY name")]
+        return [row[0] for row in self._read(sql.MIGRATIONS)]
 
     # -- the engine-specific primitives --------------------------------------------------------
 
@@ -393,10 +385,9 @@ class PostgresStore(SQLStore):
         # memories), four times more while they are fewer (several `fact` keys of one memory)
         count = k + k // 8 + 32
         for _ in range(2):
-            ann: list[tuple[str, Sequence[Any]]] = [
-                ("SELECT set_config('hnsw.ef_search', %s, true)", (str(min(1000, max(100, count))),))]
+            ann: list[tuple[str, Sequence[Any]]] = [sql.ef_search(count)]
             if self._iterative:
-                ann.append(("SELECT set_config('hnsw.iterative_scan', 'relaxed_order', true)", ()))
+                ann.append((sql.ITERATIVE_SCAN, ()))
             ann.append((sql.dense_ann_sql(dim, source), [lit, *sparams, lit, count, k]))
             rows = self._batch(ann)[-1]
             if len(rows) >= k:
@@ -637,13 +628,11 @@ class PostgresStore(SQLStore):
     def touch(self, ids: Sequence[str], at: datetime) -> None:
         if not ids:
             return
-        stmt = ("UPDATE memories SET access_count = access_count + 1, last_accessed_at = %s "
-                "WHERE tenant = %s AND id = ANY(%s)")
-        params = (at, self.tenant, sorted(set(ids)))
         try:
             # Best effort: a row locked by a writer for more than 20 ms is simply not counted
             # (and, sent once, never counted twice); a hint, committed without a flush.
-            self._batch([NO_FLUSH, (stmt, params)], lock_timeout_ms=20, retry=False)
+            self._batch([NO_FLUSH, sql.touch(self.tenant, ids, at)], lock_timeout_ms=20,
+                        retry=False)
         except (StoreBusy, StoreUnavailable) as exc:
             log.debug("access tracking skipped: %s", exc)
 
@@ -653,11 +642,8 @@ class PostgresStore(SQLStore):
         locked by a writer for more than 20 ms makes it a plain read, uncounted, as `touch`."""
         if not ids:
             return {}
-        stmt = ("UPDATE memories m SET access_count = m.access_count + 1, last_accessed_at = %s "
-                "FROM memories o WHERE m.tenant = %s AND m.id = ANY(%s) AND o.tenant = m.tenant "
-                f"AND o.id = m.id RETURNING {r.columns('o', r.MEMORY_COLUMNS)}")
         try:
-            rows = self._batch([NO_FLUSH, (stmt, (at, self.tenant, sorted(set(ids))))],
+            rows = self._batch([NO_FLUSH, sql.access(self.tenant, ids, at)],
                                lock_timeout_ms=20, retry=False)[-1]
         except (StoreBusy, StoreUnavailable) as exc:
             log.debug("access tracking skipped: %s", exc)
@@ -684,8 +670,7 @@ class PostgresStore(SQLStore):
         skipped: list[psycopg.errors.Diagnostic] = []
         conn.add_notice_handler(skipped.append)  # e.g. "skipping vacuum of ... lock not available"
         try:
-            # VACUUM runs outside any transaction; SKIP_LOCKED: never wait behind another lock.
-            conn.execute(f"VACUUM ({RECLAIM_MODES[self.reclaim_mode]}, SKIP_LOCKED) {', '.join(tables)}")
+            conn.execute(sql.vacuum(self.reclaim_mode, tables))
         except psycopg.Error as exc:
             raise translate(exc) from exc
         finally:
@@ -868,27 +853,23 @@ class PgTx(SQLTx):
         if doc is not None:
             self._exec(*sql.count_in(self.tenant, doc))
         if keys is not None:
-            self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = %s",
-                       (self.tenant, record.id))
+            self._exec(*sql.drop_keys_of(self.tenant, record.id))
             self._put_keys(record.id, keys)
 
     def soft_delete(self, ids: Sequence[str], at: datetime) -> None:
         if not ids:
             return
         self._exec(*sql.count_out(self.tenant, ids))
-        self._exec(f"UPDATE memories SET deleted_at = %s, updated_at = %s, {sql.UNINDEX} "
-                   "WHERE tenant = %s AND id = ANY(%s)", (at, at, self.tenant, list(ids)))
-        self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = ANY(%s)",
-                   (self.tenant, list(ids)))
+        self._exec(*sql.soft_delete(self.tenant, ids, at))
+        self._exec(*sql.drop_keys(self.tenant, ids))
 
     def erase(self, ids: Sequence[str]) -> None:
         if not ids:
             return
-        params = (self.tenant, list(ids))
         self._exec(*sql.count_out(self.tenant, ids))
-        self._exec("DELETE FROM memory_keys WHERE tenant = %s AND memory_id = ANY(%s)", params)
-        self._exec("DELETE FROM events WHERE tenant = %s AND memory_id = ANY(%s)", params)
-        self._exec("DELETE FROM memories WHERE tenant = %s AND id = ANY(%s)", params)
+        self._exec(*sql.drop_keys(self.tenant, ids))
+        self._exec(*sql.erase_events(self.tenant, ids))
+        self._exec(*sql.erase_memories(self.tenant, ids))
         self.erased_from |= {"memories", "memory_keys", "events", "lex_stats"}
 
     def erase_scope(self, scope: Scope) -> None:
