@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from engram import PRESETS, Memory
 from engram.cli import app
-from engram.pipeline.revisions import gives_new_value, same_thing, topic_words
+from engram.pipeline.revisions import asks_past, gives_new_value, same_thing, topic_words
 from engram.providers.embedders import MiniLM
 
 JAN, MAR, MAY = (datetime(2025, m, 1, 9, tzinfo=UTC) for m in (1, 3, 5))
@@ -256,3 +256,10 @@ def test_a_new_value_is_a_number_of_what_the_question_asks_about() -> None:
                                asked)
     assert not gives_new_value("I finished the sketches by March 14.",
                                "I framed the sketches by March 15.", asked)
+
+
+def test_the_latest_asked_in_the_past_tense_is_now_but_an_earlier_state_stays_past() -> None:
+    assert not asks_past("What score did Scott get on his most recent math test?")
+    assert not asks_past("How many sketches did I complete so far?")
+    assert asks_past("What was my job before the current one?")
+    assert asks_past("What did Scott score on his first test?")

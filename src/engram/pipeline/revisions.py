@@ -22,10 +22,13 @@ import numpy as np
 from ..store.base import Candidate
 from .text import non_ascii, terms
 
-_PAST_QUESTION = re.compile(
-    r"\b(did|didn't|was|wasn't|were|weren't|had|used to|before|previous(ly)?|original(ly)?|"
-    r"former(ly)?|at first|initially|first|earlier|ago|back then|last (year|month|week|time|"
-    r"summer|winter|spring|autumn|fall)|in (19|20)\d\d)\b", re.IGNORECASE)
+# a question put in the past tense ("What was ...", "When did ...")
+_PAST_TENSE = re.compile(r"\b(did|didn't|was|wasn't|were|weren't|had)\b", re.IGNORECASE)
+# a question about an earlier state, whatever its tense ("What was my job before the current one?")
+_EARLIER = re.compile(
+    r"\b(used to|before|previous(ly)?|original(ly)?|former(ly)?|at first|initially|first|earlier|"
+    r"ago|back then|last (year|month|week|time|summer|winter|spring|autumn|fall)|"
+    r"in (19|20)\d\d)\b", re.IGNORECASE)
 _CHANGE_WORDS = re.compile(
     # "now" as opposed to before; not "right now", "for now", "just now" (at this moment)
     r"\b((?<!right )(?<!for )(?<!just )(?<!until )(?<!by )(?<!while )now(?! and then)|nowadays|"
@@ -55,9 +58,11 @@ _LATEST = re.compile(r"\b(most recent(ly)?|latest|current(ly)?|so far|these days
 def asks_past(query: str) -> bool:
     """Does the question ask about an earlier state or a past event ("Where did Tom live
     before?", "What was the original date?", "When did...")? Newest-wins does not apply then.
-    A question that asks for the latest ("most recent", "so far", "currently") is about the
-    present, in whatever tense it is put."""
-    return bool(_PAST_QUESTION.search(query)) and not _LATEST.search(query)
+    A question put in the past tense that asks for the latest ("What score did Scott get on
+    his most recent test?", "so far", "currently") is about the present; one that names an
+    earlier state ("before the current one") is about the past all the same."""
+    return bool(_EARLIER.search(query)
+                or (_PAST_TENSE.search(query) and not _LATEST.search(query)))
 
 
 _SPAN_QUESTION = re.compile(
