@@ -16,7 +16,7 @@ from typing import Any, Literal, NamedTuple
 
 from ..filters import Condition
 from ..model import Erasure, Event, EventType, Job, JobStatus, Kind, MemoryRecord, Scope, Session
-from .base import Candidate, Query, Seen, Select
+from .base import Candidate, Query, Seen, Select, Space
 
 Stmt = tuple[str, list[Any]]
 
@@ -432,6 +432,22 @@ def stats_statements(d: Dialect, tenant: str, scope: Scope, now: datetime) -> di
         "jobs": (f"SELECT m.status, count(*) FROM jobs m WHERE {mine.sql} GROUP BY m.status",
                  mine.params),
     }
+
+
+# -- the embedding space ------------------------------------------------------------------------------
+
+def select_space(d: Dialect, tenant: str) -> Stmt:
+    return f"SELECT space, pending, cursor FROM embedding_space WHERE tenant = {d.mark}", [tenant]
+
+
+def put_space(d: Dialect, tenant: str, space: Space, now: datetime, *, first: bool) -> Stmt:
+    """Name the space (`first`: only where none is named yet), and its unfinished reindex."""
+    update = ("DO NOTHING" if first else "DO UPDATE SET space = excluded.space, "
+              "pending = excluded.pending, cursor = excluded.cursor, "
+              "updated_at = excluded.updated_at")
+    return (f"INSERT INTO embedding_space (tenant, space, pending, cursor, updated_at) "
+            f"VALUES ({d.marks(5)}) ON CONFLICT (tenant) {update}",
+            [tenant, space.space, space.pending, space.cursor, d.time(now)])
 
 
 # -- helpers ----------------------------------------------------------------------------------------

@@ -139,9 +139,7 @@ class SQLStore(StoreBase):
 
 
     def space(self) -> Space | None:
-        m = self.dialect.mark
-        rows = self._read(f"SELECT space, pending, cursor FROM embedding_space WHERE tenant = {m}",
-                          [self.tenant])
+        rows = self._read(*r.select_space(self.dialect, self.tenant))
         return Space(*rows[0]) if rows else None
 
     # -- the knowledge graph (store/graph.py) ------------------------------------------------
@@ -259,13 +257,7 @@ class SQLTx:
             self._exec(*stmt)
 
     def put_space(self, space: Space, *, first: bool = False) -> None:
-        d = self.dialect
-        update = ("DO NOTHING" if first else "DO UPDATE SET space = excluded.space, "
-                  "pending = excluded.pending, cursor = excluded.cursor, "
-                  "updated_at = excluded.updated_at")
-        self._exec(f"INSERT INTO embedding_space (tenant, space, pending, cursor, updated_at) "
-                   f"VALUES ({d.marks(5)}) ON CONFLICT (tenant) {update}",
-                   [self.tenant, space.space, space.pending, space.cursor, d.time(utcnow())])
+        self._exec(*r.put_space(self.dialect, self.tenant, space, utcnow(), first=first))
 
     # -- the knowledge graph (store/graph.py) ------------------------------------------------
 

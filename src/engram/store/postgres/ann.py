@@ -25,7 +25,7 @@ from .pool import Connection, Pool
 
 log = logging.getLogger("engram.store")
 
-INDEX_LOCK = 0x656E6773  # pg_try_advisory_lock key (with the dimension): one builder at a time
+INDEX_LOCK = sql.INDEX_LOCK  # one builder of a dimension's index at a time
 RETRY_S = 60.0  # a build that did not succeed is not tried again sooner than this
 
 
@@ -84,9 +84,9 @@ class IndexBuilds:
                 self._conns[dim] = conn  # `close` cancels what it runs
             # minutes at a million keys: no statement or lock timeout; the build waits for
             # the writes in flight to end (CONCURRENTLY), never blocks them
-            conn.execute("SET statement_timeout = 0")
-            conn.execute("SET lock_timeout = 0")
-            row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (INDEX_LOCK, dim)).fetchone()
+            for setting in sql.NO_TIMEOUTS:
+                conn.execute(setting)
+            row = conn.execute(*sql.index_lock(dim)).fetchone()
             if row is None or not row[0]:
                 log.info("the HNSW index of %d dimensions is being built by another process", dim)
                 return False
@@ -99,14 +99,14 @@ class IndexBuilds:
                     if self._closed:  # before the long part: `close` may have found no statement to cancel
                         return False
                 if valid is not None:  # an INVALID index: a build that did not finish
-                    conn.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+                    conn.execute(sql.drop_index(name))
                 started = time.perf_counter()
                 log.info("building the HNSW index of %d dimensions", dim)
                 conn.execute(schema.hnsw_index_sql(dim, concurrently=True))
                 log.info("built the HNSW index %s in %.1f s", name, time.perf_counter() - started)
                 return True
             finally:
-                conn.execute("SELECT pg_advisory_unlock(%s, %s)", (INDEX_LOCK, dim))
+                conn.execute(*sql.index_unlock(dim))
         except psycopg.errors.QueryCanceled:
             log.info("the HNSW index build of %d dimensions was cancelled", dim)
             return False

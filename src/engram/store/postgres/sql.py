@@ -160,6 +160,26 @@ def dense_guarded_sql(source: str) -> str:
             "ORDER BY s DESC, k.memory_id LIMIT %s) e ON TRUE ORDER BY e.s DESC, e.memory_id")
 
 
+INDEX_LOCK = 0x656E6773  # pg_try_advisory_lock key (with the dimension): one builder at a time
+# An index build's session (a connection of its own): minutes at a million keys, and it waits
+# for the writes in flight to end (CONCURRENTLY), never blocking them
+NO_TIMEOUTS = ["SET statement_timeout = 0", "SET lock_timeout = 0"]
+
+
+def index_lock(dim: int) -> r.Stmt:
+    """Try to become the builder of `dim`'s index (true or false), until `index_unlock`."""
+    return "SELECT pg_try_advisory_lock(%s, %s)", [INDEX_LOCK, int(dim)]
+
+
+def index_unlock(dim: int) -> r.Stmt:
+    return "SELECT pg_advisory_unlock(%s, %s)", [INDEX_LOCK, int(dim)]
+
+
+def drop_index(name: str) -> str:
+    """Drop an index a build left INVALID (`name`: schema.hnsw_index_name's, never user text)."""
+    return f"DROP INDEX CONCURRENTLY IF EXISTS {name}"
+
+
 def dense_ann_sql(dim: int, source: str) -> str:
     """The nearest keys by the dimension's HNSW index (the ORDER BY matches its expression);
     parameters: the query vector, `source`'s, the query vector again, the pool size, k.
