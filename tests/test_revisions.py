@@ -256,6 +256,10 @@ def test_a_new_value_is_a_number_of_what_the_question_asks_about() -> None:
                                asked)
     assert not gives_new_value("I finished the sketches by March 14.",
                                "I framed the sketches by March 15.", asked)
+    # a number the question states names the statement it asks about: another is no update
+    asked = topic_words("child 1 remembers fact number 7")
+    assert not gives_new_value("child 1 remembers fact number 7",
+                               "child 0 remembers fact number 8", asked)
 
 
 def test_the_latest_asked_in_the_past_tense_is_now_but_an_earlier_state_stays_past() -> None:

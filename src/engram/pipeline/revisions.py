@@ -161,10 +161,13 @@ def gives_new_value(older: str, newer: str, asked: Collection[str]) -> bool:
     told without a change word. A number of something the question does not ask about is no
     answer to it (long messages hold many dates and counts, and a different one in each); nor
     is the number of someone else's: when each text names someone the other does not ("chili
-    powder by 30% for Sara", "by 50% for Crystal"), they tell two people's values."""
+    powder by 30% for Sara", "by 50% for Crystal"), they tell two people's values. Nor is a
+    number the question states itself: it names the older statement ("What does fact number 7
+    say?", "Where is room 12?"), and the asker wants that one, not another number of the
+    same thing."""
     before: dict[str, set[str]] = {}
     for unit, number in quantities(older):
-        if unit in asked:
+        if unit in asked and number not in asked:
             before.setdefault(unit, set()).add(number)
     if not any(unit in before and number not in before[unit]
                for unit, number in quantities(newer)):
