@@ -55,7 +55,7 @@ def search_aside(slab: Slab, lock: threading.Lock, query: Query, vector: np.ndar
     large = k > 0 and slab.n > ann_threshold and ann.available()
     with lock:
         # (unchanged since `follow` brought the index up to date: as dead as it was found then;
-        # counting it is a pass over every row, ~8 ms a key at 1M)
+        # counting it is a pass over every row, too slow for every search of a large scope)
         if large and slab.ann is not None and slab.ann_at != slab.changes \
                 and _mostly_dead(slab, slab.ann):
             slab.ann = None  # built again aside, not in `follow` under the lock

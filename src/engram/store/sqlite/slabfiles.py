@@ -23,7 +23,7 @@ log = logging.getLogger("engram.store")
 
 MAGIC = b"engram-slab\n\x00\x00\x00\x00"  # the first 16 bytes of a saved dense cache
 FORMAT = 2  # the saved layout; 2: the candidates carry their role
-WARM_ROWS = 5_000  # candidates built at a time under the lock (~50 ms a search may wait)
+WARM_ROWS = 5_000  # candidates built at a time under the lock (what a search may wait for)
 
 # The store's `_save_cache(path, name in meta, erasures, write)`: the file written, renamed
 # into place and named in one write transaction unless an erasure came since
