@@ -36,6 +36,7 @@ import numpy as np
 
 import locomo
 from engram import Config, Memory
+from engram.pipeline.retrieve import get_preset
 from engram.providers.embedders import forget_texts
 
 RECALL_TOLERANCE = 0.01
@@ -99,6 +100,7 @@ class Tally:
     def result(self, store: str, preset: str) -> dict[str, Any]:
         return {
             "store": store, "preset": preset, "facts": "none", "llm_calls_per_message": 0.0,
+            "candidates": get_preset(preset).candidates, "distractors": 0,
             "llm_tokens_per_message": 0.0, "questions": len(self.recall[10]["all"]),
             "recall": {k: {str(c): statistics.mean(v) for c, v in per.items()}
                        for k, per in self.recall.items()},
