@@ -90,18 +90,14 @@ def main() -> None:
         t0 = time.perf_counter()
         s.lexical(q, ["ramen"], 10, 0.5)
         build = time.perf_counter() - t0
-        plain = []
-        for _ in range(5):
-            for words in QUERIES:
-                t = time.perf_counter()
-                s.lexical(q, words, 10, 0.5)
-                plain.append(time.perf_counter() - t)
-        long = []
-        for _ in range(2):
-            for words in LONG_QUERIES:
-                t = time.perf_counter()
-                s.lexical(q, words, 10, 0.5)
-                long.append(time.perf_counter() - t)
+
+        def timed(words: list[str]) -> float:
+            t = time.perf_counter()
+            s.lexical(q, words, 10, 0.5)
+            return time.perf_counter() - t
+
+        plain = [timed(words) for _ in range(5) for words in QUERIES]
+        long = [timed(words) for _ in range(2) for words in LONG_QUERIES]
         rng = random.Random(9)
         after = []
         for i in range(args.writes):

@@ -21,6 +21,20 @@ from engram.store.index.slab import Slab
 
 from .test_store import DIM, NOW, U1, put, q, rec, vec
 
+
+def refresh_reads(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """From now on, the rows each refresh of a cache reads (tombstones, new keys, changed
+    rows), one list a refresh, appended to the list returned."""
+    read: list[list[int]] = []
+    apply = refresh.apply
+
+    def counting(slab: Slab, k: Any, dim: int, results: Sequence[Sequence[Any]]) -> Any:
+        read.append([len(rows) for rows in results])
+        return apply(slab, k, dim, results)
+
+    monkeypatch.setattr(refresh, "apply", counting)
+    return read
+
 StoreFactory = Any
 
 
@@ -136,14 +150,7 @@ def test_another_stores_one_row_update_reloads_that_row_alone(
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
     put(store, *records, vectors=list(vectors))
     assert store.dense(q(U1), vectors[3], 5)[0][0] == records[3].id  # loads the cache
-    read: list[list[int]] = []
-    apply = refresh.apply
-
-    def counting(slab: Slab, k: Any, dim: int, results: Sequence[Sequence[Any]]) -> Any:
-        read.append([len(rows) for rows in results])
-        return apply(slab, k, dim, results)
-
-    monkeypatch.setattr(refresh, "apply", counting)
+    read = refresh_reads(monkeypatch)
     with other.write() as tx:
         tx.update(replace(records[3], text="entry three, rewritten", importance=0.9))
     assert store.dense(q(U1), vectors[3], 5)[0][0] == records[3].id

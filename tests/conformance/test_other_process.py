@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from engram.store import SQLiteStore, Store
-from engram.store.index import refresh
 from engram.store.index.slab import Slab
 
+from .test_key_changes import refresh_reads
 from .test_store import DIM, U1, put, q, rec
 
 # The other process: opens the same database, changes one memory, and exits.
@@ -72,14 +72,7 @@ def test_another_processs_one_row_update_is_read_alone_by_the_next_search(
     put(store, *records, vectors=list(vectors))
     assert _search(store, vectors[3])[0] == records[3].id  # the scope is cached
     # rows of each refresh's reads (tombstones, new keys, changed), or [-n] for n reloaded
-    read: list[list[int]] = []
-    apply = refresh.apply
-
-    def counting(slab: Slab, k: Any, dim: int, results: Sequence[Sequence[Any]]) -> Any:
-        read.append([len(rows) for rows in results])
-        return apply(slab, k, dim, results)
-
-    monkeypatch.setattr(refresh, "apply", counting)
+    read = refresh_reads(monkeypatch)
     reset = Slab.reset_attrs  # every row's attributes read again: what must not happen
 
     def resetting(slab: Slab, rows: Sequence[Sequence[Any]], d: Any = None) -> None:
