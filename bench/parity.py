@@ -153,6 +153,7 @@ def run(data: Path, preset: str, url: str,
                     order = list(mems) if asked % 2 == 0 else list(mems)[::-1]
                     asked += 1
                     for name in order:
+                        forget_texts(lite.embedder)  # the query's vector too: each embeds it
                         embedding[0] = 0.0
                         t0 = time.perf_counter()
                         hits = mems[name].search(qa["question"], user_id=conv["sample_id"],

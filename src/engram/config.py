@@ -93,7 +93,7 @@ class Config:
     pg_exact_limit: int = 2000              # dense search scans up to this many keys, then HNSW
     pg_cache_limit: int | None = None       # keys of a scope a process caches (None: cache_rows)
     pg_reclaim: str = "vacuum"              # after an erase: vacuum | full (VACUUM FULL) | none
-    pg_lexicon_threshold: int = 500         # a tenant of more memories is ranked lexically in process
+    pg_lexicon_threshold: int = 100         # a tenant of more memories is ranked lexically in process
 
     @staticmethod
     def _pg_env() -> tuple[tuple[str, str, Any], ...]:

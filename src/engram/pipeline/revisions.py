@@ -20,6 +20,7 @@ from operator import add, attrgetter
 import numpy as np
 
 from ..store.base import Candidate
+from .dates import MONTHS
 from .text import non_ascii, terms
 
 # a question put in the past tense ("What was ...", "When did ...")
@@ -128,8 +129,7 @@ def quantities(text: str) -> frozenset[tuple[str, str]]:
     return frozenset(out)
 
 
-_MONTHS = frozenset("january february march april may june july august september october "
-                    "november december jan feb mar apr jun jul aug sep sept oct nov dec".split())
+_MONTHS = frozenset(MONTHS).union("jan feb mar apr jun jul aug sep sept oct nov dec".split())
 
 
 def _in_date(tokens: Sequence[str], i: int) -> bool:

@@ -363,7 +363,7 @@ class Lexicon:
     def _grow(self, need: int) -> None:
         if need <= len(self.rids):
             return
-        cap = max(need, 2 * len(self.rids), 1024)
+        cap = max(need, 2 * len(self.rids), 16)
         self.rids = np.resize(self.rids, cap)
         self.lens = np.resize(self.lens, cap)
         self.mid = np.resize(self.mid, cap)

@@ -5,8 +5,9 @@ documents, each a `LexicalFollower` (index/follow.py) kept exact by the tenant's
 A tenant's lexicon is built on a helper thread the first time a search of it finds none (SQL
 BM25 answers meanwhile, with the same scores), and again when the log cannot be followed
 (pruned past it), after an erasure (the erased words leave the process at once: it is
-dropped on sight), or when it is mostly dead. Small tenants stay on SQL: their BM25 statement
-costs the server little, and 10,000 of them would each hold a vocabulary. The lexicons of all
+dropped on sight), or when it is mostly dead. Tiny tenants stay on SQL: the BM25 statement's
+time grows with the tenant's rows it scans, few there, while a tiny lexicon is mostly its
+vocabulary (10,000 such tenants would each hold one for little gain). The lexicons of all
 tenants together hold at most `rows` documents; the least recently searched go first.
 """
 

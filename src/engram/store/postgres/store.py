@@ -74,7 +74,7 @@ class PostgresStore(SQLStore):
                  exact_limit: int = 2000, reclaim_mode: str = "vacuum",
                  cache_limit: int | None = None, cache_rows: int = 2_000_000,
                  ann_threshold: int = 20_000,
-                 lexicon_threshold: int = 500, lexicon_rows: int = 1_000_000) -> None:
+                 lexicon_threshold: int = 100, lexicon_rows: int = 1_000_000) -> None:
         """`busy_timeout_s`: how long a write waits for a lock (`lock_timeout`) and, unless
         `pool_wait_s` says otherwise, for a free connection. `statement_timeout_s` defaults to
         max(60, 2 * busy_timeout_s). `exact_limit`: a dense search over at most this many
