@@ -1,10 +1,12 @@
 """The dense cache both stores hold (store/index/cache.py), run over each backend's own reads:
 its budget of rows drops the least recently searched scope, never the one being searched; a
 scope over its limit is counted, left out and remembered; stale slabs of a search are read
-together; a refresh inside a write follows as far as it may."""
+together; a refresh inside a write follows as far as it may; a slow load of one scope holds up
+no other scope's refresh."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -103,3 +105,45 @@ def test_inside_a_write_a_refresh_follows_only_as_far_as_it_may(store: Store) ->
     fresh = DenseCache(rows=1000, ann_threshold=10**9)
     empty = fresh.refresh(k, U1, ["text"], DIM, v, _run(store, statements), follow=Follow.NONE)
     assert empty["text"].n == 0 and not fresh.slabs and statements == [2, 3]
+
+
+def test_a_slow_load_of_one_scope_holds_up_no_other_scope(store: Store) -> None:
+    """A large scope's first load takes long; meanwhile other scopes (of every tenant: the
+    cache is the process's) refresh as usual, and a second search of the loading scope waits
+    for that load instead of reading the scope again."""
+    k = store._keys  # type: ignore[attr-defined]
+    _fill(store, U1, 5)
+    _fill(store, U2, 5)
+    cache = DenseCache(rows=1000, ann_threshold=10**9)
+    v = _versions(store)
+    reading, release = threading.Event(), threading.Event()
+    plain = _run(store, [])
+
+    def slow(stmts: Sequence[Stmt]) -> list[list[Any]]:
+        reading.set()
+        assert release.wait(30)
+        return plain(stmts)  # type: ignore[no-any-return]
+
+    def refresh(scope: Scope, run: Any, out: list[Any]) -> threading.Thread:
+        t = threading.Thread(target=lambda: out.append(cache.refresh(k, scope, ["text"], DIM, v, run)))
+        t.start()
+        return t
+
+    first: list[Any] = []
+    loading = refresh(U1, slow, first)
+    try:
+        assert reading.wait(30)
+        other: list[Any] = []
+        refresh(U2, _run(store, []), other).join(10)
+        assert other and other[0]["text"].n == 5  # not held up by U1's load
+        again: list[Any] = []
+        read_again: list[int] = []
+        waiting = refresh(U1, _run(store, read_again), again)
+        waiting.join(0.3)
+        assert waiting.is_alive()  # the same scope waits for its turn
+    finally:
+        release.set()
+        loading.join(30)
+    waiting.join(30)
+    assert first[0]["text"].n == 5 and again[0]["text"] is first[0]["text"]
+    assert read_again == []  # found loaded: nothing read twice

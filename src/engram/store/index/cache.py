@@ -11,7 +11,8 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -69,7 +70,10 @@ class DenseCache:
         self.ann_threshold = ann_threshold
         self.limit = limit
         self.lock = threading.Lock()  # the map and the slabs' contents
-        self._refreshing = threading.Lock()  # one refresh at a time: it appends by seq
+        # Per slab being refreshed, its turn and the threads that want it: one refresh of a
+        # slab at a time (it appends by seq), while other slabs' go on (a large scope's first
+        # load must not hold up every other scope's searches, of every tenant)
+        self._turns: dict[SlabKey, tuple[threading.Lock, list[int]]] = {}
         self.slabs: OrderedDict[SlabKey, Slab] = OrderedDict()
         self.over: dict[SlabKey, bool] = {}  # scopes known to hold more than `limit` keys
         _CACHES.add(self)
@@ -152,8 +156,8 @@ class DenseCache:
         fresh = {name: slab for name, slab in usable.items() if _follows(slab, versions, follow)}
         if len(fresh) == len(wanted):
             return fresh
-        with self._refreshing:  # another thread may have refreshed them meanwhile
-            stale = {name: key for name, key in wanted.items() if name not in fresh}
+        stale = {name: key for name, key in wanted.items() if name not in fresh}
+        with self._turn(stale.values()):  # another thread may have refreshed them meanwhile
             got, pruned = self._refresh(k, scope, stale, dim, versions, run, follow,
                                         fetched or {}, load)
             if pruned:  # what was deleted meanwhile is unknown: loaded afresh (never pruned)
@@ -167,7 +171,7 @@ class DenseCache:
                  load: Load | None) -> tuple[dict[str, Slab], list[str]]:
         """Bring the slabs of `wanted` up to `versions` (refresh.py); new ones are counted
         first when there is a limit. Returns them, and the names whose slab was dropped
-        because tombstones it had not applied were pruned. Call with `_refreshing` held."""
+        because tombstones it had not applied were pruned. Call with their `_turn` held."""
         with self.lock:
             slabs: dict[str, Slab | None] = {name: self.slabs.get(key)
                                              for name, key in wanted.items()}
@@ -253,6 +257,28 @@ class DenseCache:
                     slab.rows_version = versions[1]
         return held, pruned
 
+    @contextmanager
+    def _turn(self, keys: Iterable[SlabKey]) -> Iterator[None]:
+        """Hold the refresh turn of each slab of `keys` (taken in one order: two refreshes of
+        the same slabs never wait for each other crosswise)."""
+        with self.lock:
+            turns = []
+            for key in sorted(set(keys), key=repr):
+                turn = self._turns.setdefault(key, (threading.Lock(), [0]))
+                turn[1][0] += 1
+                turns.append((key, turn))
+        try:
+            with ExitStack() as held:
+                for _, (lock, _) in turns:
+                    held.enter_context(lock)
+                yield
+        finally:
+            with self.lock:
+                for key, (_, waiting) in turns:
+                    waiting[0] -= 1
+                    if not waiting[0]:
+                        self._turns.pop(key, None)
+
     def _mark_over(self, key: SlabKey) -> None:
         if len(self.over) > OVER_HINTS:
             self.over.clear()  # scopes shrink too: count them again now and then
@@ -301,8 +327,7 @@ class DenseCache:
         guarded dropped (read again on use)."""
         if self.lock.locked():
             self.lock, self.slabs = threading.Lock(), OrderedDict()
-        if self._refreshing.locked():  # a refresh applies under `lock`: the slabs are whole
-            self._refreshing = threading.Lock()
+        self._turns = {}  # a parent's refreshes: their threads are not in the child
 
 
 _CACHES: weakref.WeakSet[DenseCache] = weakref.WeakSet()
