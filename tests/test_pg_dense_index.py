@@ -1,7 +1,8 @@
 """PostgreSQL on the shared dense index layer (store/index/): a scope of any size the cache can
 hold is searched in process, through the HNSW index above the ANN threshold as on SQLite, and
-never in the database; the index follows another process's deletes. Small thresholds stand in
-for the 20k and the old 50k `cache_limit`."""
+never in the database; the index follows another process's deletes; a large scope's first
+search is answered by the database while its keys load aside. Small thresholds stand in for
+the 20k and the old 50k `cache_limit`, and for the 20k keys a read takes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from conformance.test_store import NOW, put, q, rec
 from engram import Config
 from engram.model import Scope
-from engram.store.index import ann, dense
+from engram.store.index import ann, dense, refresh
 from engram.store.index.slab import Slab
 from engram.store.postgres import PostgresStore
 from engram.threads import Threads
@@ -147,3 +148,51 @@ def test_an_index_is_built_aside_while_searches_scan(monkeypatch: pytest.MonkeyP
     finally:
         release.set()
         builds.close()
+
+
+def test_a_large_scopes_first_search_does_not_wait_for_its_load(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scope of more keys than one read takes (10 here, 20,000 by default) is loaded into
+    the cache on a helper thread (minutes at 1M keys): meanwhile its searches are the
+    database's, exact, and ask for no database index (the cache answers once it holds the
+    scope); once loaded, the cache answers the same, with no dense statement sent."""
+    monkeypatch.setattr(refresh, "CHUNK", 10)
+    store = PostgresStore(db, exact_limit=20)
+    tables = PostgresStore(db, cache_limit=0)  # searched in the database, exactly
+    release = threading.Event()
+    rest = refresh.rest
+
+    def held(*args: Any, **kwargs: Any) -> None:  # the load's later reads, held back
+        assert release.wait(30)
+        rest(*args, **kwargs)
+
+    monkeypatch.setattr(refresh, "rest", held)
+    try:
+        vectors = _vectors(40, 5)
+        put(store, *[rec(f"item {i}") for i in range(40)], vectors=list(vectors))
+        for i in (0, 9):
+            assert _search(store, vectors[i]) == _search(tables, vectors[i])
+        assert store._cache.being_loaded(store._keys, Scope("u1"), "text")
+        assert store._cache.get(store._keys, Scope("u1"), "text") is None
+        assert not store._builds._tried  # 40 keys > exact_limit, yet no HNSW build asked
+        release.set()
+        store.wait_for_saves()
+        assert not store._cache.being_loaded(store._keys, Scope("u1"), "text")
+        assert store._cache.get(store._keys, Scope("u1"), "text").n == 40  # type: ignore[union-attr]
+        sent: list[str] = []
+        batch = PostgresStore._batch
+
+        def recorded(self: PostgresStore, statements: Any, **kw: Any) -> Any:
+            if self is store:
+                sent.extend(stmt for stmt, _ in statements)
+            return batch(self, statements, **kw)
+
+        monkeypatch.setattr(PostgresStore, "_batch", recorded)
+        got, want = _search(store, vectors[3]), _search(tables, vectors[3])
+        assert [m for m, _ in got] == [m for m, _ in want]
+        assert np.allclose([s for _, s in got], [s for _, s in want], atol=1e-5)
+        assert sent and not any("<=>" in stmt for stmt in sent)  # from the cache
+    finally:
+        release.set()
+        for s in (store, tables):
+            s.close()

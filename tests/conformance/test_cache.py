@@ -64,12 +64,12 @@ def test_a_scope_over_the_limit_is_counted_left_out_and_remembered(store: Store)
     statements: list[int] = []
     v = _versions(store)
     assert cache.refresh(k, U1, ["text"], DIM, v, _run(store, statements)) == {}
-    assert cache.over_limit(k, U1, "text") and not cache.slabs
+    assert cache.elsewhere(k, U1, "text") and not cache.slabs
     assert statements == [1]  # the count alone: a scope over the limit is never loaded
     assert cache.refresh(k, U1, ["text"], DIM, v, _run(store, statements)) == {}
     assert statements == [1]  # remembered: not counted again
     small = cache.refresh(k, U2, ["text"], DIM, v, _run(store, statements))["text"]
-    assert small.n == 5 and not cache.over_limit(k, U2, "text")
+    assert small.n == 5 and not cache.elsewhere(k, U2, "text")
     assert statements == [1, 1, 2]
 
 

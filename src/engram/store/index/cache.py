@@ -7,6 +7,7 @@ inside a search's first one: `ahead`)."""
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import threading
 import weakref
@@ -29,7 +30,11 @@ Run = Callable[[Sequence[Stmt]], list[list[Any]]]  # the rows of each statement,
 Load = Callable[[SlabKey, int], Slab | None]  # a slab saved for a key and dimension, if any
 # Per key name: the mark reads were made from, and their rows (`ahead`)
 Fetched = Mapping[str, tuple[refresh.Mark, Sequence[Any]]]
+# Runs work on another thread (a `Threads.submit`); None: it cannot (closing)
+Aside = Callable[[Callable[[], None]], object]
 OVER_HINTS = 4096  # scopes remembered as over the limit; then all are counted again
+
+log = logging.getLogger("engram.store")
 
 
 class KeyReads(refresh.KeyReads, Protocol):
@@ -76,6 +81,7 @@ class DenseCache:
         self._turns: dict[SlabKey, tuple[threading.Lock, list[int]]] = {}
         self.slabs: OrderedDict[SlabKey, Slab] = OrderedDict()
         self.over: dict[SlabKey, bool] = {}  # scopes known to hold more than `limit` keys
+        self.loading: set[SlabKey] = set()  # new slabs being loaded aside (`refresh`)
         _CACHES.add(self)
 
     @staticmethod
@@ -99,9 +105,15 @@ class DenseCache:
             return None
         return slab
 
-    def over_limit(self, k: KeyReads, scope: Scope, name: str) -> bool:
-        """Whether the scope was found to hold more than `limit` keys of this name."""
-        return bool(self.over.get(self.key(k, scope, name)))
+    def elsewhere(self, k: KeyReads, scope: Scope, name: str) -> bool:
+        """Whether the scope's keys of this name are searched elsewhere (in the database) for
+        now: it was found to hold more than `limit` of them, or its first load runs aside."""
+        key = self.key(k, scope, name)
+        return bool(self.over.get(key)) or key in self.loading
+
+    def being_loaded(self, k: KeyReads, scope: Scope, name: str) -> bool:
+        """Whether the scope's first load of these keys runs aside now (`refresh`)."""
+        return self.key(k, scope, name) in self.loading
 
     def indexed(self, k: KeyReads, scope: Scope) -> bool:
         """Whether the scope's cached `text` keys are more than the ANN threshold (its dense
@@ -136,14 +148,19 @@ class DenseCache:
 
     def refresh(self, k: KeyReads, scope: Scope, names: Sequence[str], dim: int,
                 versions: tuple[int, int], run: Run, *, follow: Follow = Follow.EXACT,
-                fetched: Fetched | None = None, load: Load | None = None) -> dict[str, Slab]:
+                fetched: Fetched | None = None, load: Load | None = None,
+                aside: Aside | None = None) -> dict[str, Slab]:
         """The scope's slab of each key name, exact as of `versions` (the database's, read
         before) or later; with `Follow.KEYS` its keys only, with `Follow.NONE` as held. A
         name is left out where the scope holds more than `limit` keys. Stale slabs are read
         together (one `run`), or not at all with what `fetched` holds for them; a slab not
-        held is `load`ed (a saved one: it then catches up) or read whole."""
+        held is `load`ed (a saved one: it then catches up) or read whole. With `aside`, a new
+        slab of more keys than one read takes (refresh.CHUNK: its load is many statements,
+        minutes at a million) is read whole there, and left out until it is held: the
+        searches meanwhile go `elsewhere`."""
         wanted = {name: self.key(k, scope, name) for name in names}
-        wanted = {name: key for name, key in wanted.items() if not self.over.get(key)}
+        wanted = {name: key for name, key in wanted.items()
+                  if not self.over.get(key) and key not in self.loading}
         with self.lock:
             held = {name: self.slabs.get(key) for name, key in wanted.items()}
             for key in wanted.values():
@@ -159,19 +176,20 @@ class DenseCache:
         stale = {name: key for name, key in wanted.items() if name not in fresh}
         with self._turn(stale.values()):  # another thread may have refreshed them meanwhile
             got, pruned = self._refresh(k, scope, stale, dim, versions, run, follow,
-                                        fetched or {}, load)
+                                        fetched or {}, load, aside)
             if pruned:  # what was deleted meanwhile is unknown: loaded afresh (never pruned)
                 again, _ = self._refresh(k, scope, {name: wanted[name] for name in pruned},
-                                         dim, versions, run, follow, {}, None)
+                                         dim, versions, run, follow, {}, None, aside)
                 got |= again
         return got | fresh
 
     def _refresh(self, k: KeyReads, scope: Scope, wanted: dict[str, SlabKey], dim: int,
                  versions: tuple[int, int], run: Run, follow: Follow, fetched: Fetched,
-                 load: Load | None) -> tuple[dict[str, Slab], list[str]]:
+                 load: Load | None, aside: Aside | None) -> tuple[dict[str, Slab], list[str]]:
         """Bring the slabs of `wanted` up to `versions` (refresh.py); new ones are counted
-        first when there is a limit. Returns them, and the names whose slab was dropped
-        because tombstones it had not applied were pruned. Call with their `_turn` held."""
+        first when there is a limit or an `aside`. Returns them, and the names whose slab was
+        dropped because tombstones it had not applied were pruned, or is loaded aside. Call
+        with their `_turn` held."""
         with self.lock:
             slabs: dict[str, Slab | None] = {name: self.slabs.get(key)
                                              for name, key in wanted.items()}
@@ -181,11 +199,15 @@ class DenseCache:
                 slabs[name] = slab if slab is not None else Slab(dim, rich=name == "text")
         held: dict[str, Slab] = {name: slab for name, slab in slabs.items() if slab is not None}
         new = [name for name, slab in held.items() if slab.version < 0]
-        if new and self.limit is not None:
-            counts = run([k.count_keys(scope, name, dim, self.limit + 1) for name in new])
+        if new and (self.limit is not None or aside is not None):
+            upto = max(self.limit or 0, refresh.CHUNK) + 1
+            counts = run([k.count_keys(scope, name, dim, upto) for name in new])
             for name, rows in zip(new, counts, strict=True):
-                if rows[0][0] > self.limit:
+                if self.limit is not None and rows[0][0] > self.limit:
                     self._mark_over(wanted[name])
+                    del held[name]
+                elif aside is not None and rows[0][0] > refresh.CHUNK:
+                    self._load_aside(k, scope, name, wanted[name], dim, versions, run, aside)
                     del held[name]
                 else:
                     held[name].reserve(rows[0][0])
@@ -279,6 +301,30 @@ class DenseCache:
                     if not waiting[0]:
                         self._turns.pop(key, None)
 
+    def _load_aside(self, k: KeyReads, scope: Scope, name: str, key: SlabKey, dim: int,
+                    versions: tuple[int, int], run: Run, aside: Aside) -> None:
+        """Load a new slab whole on `aside`'s thread, from `versions` (it catches up at the
+        next search after); the searches of its keys go `elsewhere` until it is held."""
+        def load() -> None:
+            try:
+                with self._turn([key]):
+                    _, pruned = self._refresh(k, scope, {name: key}, dim, versions, run,
+                                              Follow.EXACT, {}, None, None)
+                    if pruned:
+                        self._refresh(k, scope, {name: key}, dim, versions, run, Follow.EXACT,
+                                      {}, None, None)
+            except Exception:  # the database answers its searches; the next one tries again
+                log.warning("loading the %s keys of a large scope failed", name, exc_info=True)
+            finally:
+                with self.lock:
+                    self.loading.discard(key)
+
+        with self.lock:
+            self.loading.add(key)
+        if aside(load) is None:  # closing: nothing is loaded any more
+            with self.lock:
+                self.loading.discard(key)
+
     def _mark_over(self, key: SlabKey) -> None:
         if len(self.over) > OVER_HINTS:
             self.over.clear()  # scopes shrink too: count them again now and then
@@ -327,7 +373,8 @@ class DenseCache:
         guarded dropped (read again on use)."""
         if self.lock.locked():
             self.lock, self.slabs = threading.Lock(), OrderedDict()
-        self._turns = {}  # a parent's refreshes: their threads are not in the child
+        self._turns = {}  # a parent's refreshes and loads: their threads are not in the child
+        self.loading = set()
 
 
 _CACHES: weakref.WeakSet[DenseCache] = weakref.WeakSet()

@@ -113,6 +113,8 @@ class PostgresStore(SQLStore):
         self._sides = Threads(2, "engram-pg-search")
         # large scopes' HNSW indexes of the dense cache, built off the searches (index/dense.py)
         self._ann_builds = Threads(1, "engram-pg-ann")
+        # large scopes' first loads into the dense cache, off the searches (index/cache.py)
+        self._loads = Threads(1, "engram-pg-load")
         self._to_vacuum: set[str] = set()
         self._closed = False
         self._tokenizer = bm25.Tokenizer()  # shared with the stores of other tenants (for_tenant)
@@ -295,6 +297,7 @@ class PostgresStore(SQLStore):
                 self._builds.close()
                 self._lexicons.close()
                 self._sides.close()
+                self._loads.close()
                 self._ann_builds.close()
                 self._tokenizer.close()
                 self._cache.clear()
@@ -341,7 +344,7 @@ class PostgresStore(SQLStore):
         v = np.asarray(vector, dtype=np.float32).ravel()
         dim = int(v.shape[0])
         outside = getattr(self._local, "conn", None) is None  # inside a write: the tables
-        if outside and not self._cache.over_limit(self._keys, query.scope, key):
+        if outside and not self._cache.elsewhere(self._keys, query.scope, key):
             versions = refresh.versions(self._read(*self._keys.versions()))
             slab = self._cached(query.scope, [key], dim, versions).get(key)
             if slab is not None:
@@ -376,7 +379,9 @@ class PostgresStore(SQLStore):
             if n <= limit or not indexed:
                 if n <= limit:
                     log.debug("dense: exact scan of %d keys", n)
-                else:  # the index would answer: built meanwhile, off this search's path
+                elif not self._cache.being_loaded(self._keys, query.scope, key):
+                    # the index would answer: built meanwhile, off this search's path (not for
+                    # a scope the cache is loading: its searches stay in the process after)
                     self._builds.request(dim)
                     log.debug("dense: exact scan of more than %d keys (no HNSW index yet)", limit)
                 return [(row[0], float(row[1])) for row in rows if row[0] is not None]
@@ -429,7 +434,7 @@ class PostgresStore(SQLStore):
         dim = 0 if v is None else int(v.shape[0])
         remote: dict[str, Future[list[tuple[str, float]]]] = {}  # large scopes' keys
         for key in keys if v is not None else ():
-            if (self._cache.over_limit(self._keys, query.scope, key)
+            if (self._cache.elsewhere(self._keys, query.scope, key)
                     and (future := self._sides.submit(self.dense, query, v, k, key)) is not None):
                 remote[key] = future  # (None: closing, searched here)
         try:
@@ -500,7 +505,7 @@ class PostgresStore(SQLStore):
         together, in one round trip, or none with what `fetched` holds (see `_ahead`)."""
         self._seen[self.tenant] = versions
         return self._cache.refresh(self._keys, scope, names, dim, versions, self._batch,
-                                   fetched=fetched)
+                                   fetched=fetched, aside=self._loads.submit)
 
     def _search(self, query: Query, key: str, slab: Slab, v: np.ndarray,
                 k: int) -> list[tuple[str, float]]:
@@ -583,8 +588,9 @@ class PostgresStore(SQLStore):
 
     def wait_for_saves(self) -> None:
         """Wait until the background cache work asked for so far is done (the lexicons being
-        built, the dense cache's HNSW indexes), as the SQLite store's method of that name does
-        for its files."""
+        built, large scopes' first loads, the dense cache's HNSW indexes), as the SQLite
+        store's method of that name does for its files."""
+        self._loads.drain()
         self._lexicons.wait()
         self._ann_builds.drain()
 
