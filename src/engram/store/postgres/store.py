@@ -344,6 +344,9 @@ class PostgresStore(SQLStore):
         v = np.asarray(vector, dtype=np.float32).ravel()
         dim = int(v.shape[0])
         outside = getattr(self._local, "conn", None) is None  # inside a write: the tables
+        # a scope the cache is loading is searched here meanwhile, and in the cache after:
+        # no database index is built for it (asked before the scan: the load may end during it)
+        loading = self._cache.being_loaded(self._keys, query.scope, key)
         if outside and not self._cache.elsewhere(self._keys, query.scope, key):
             versions = refresh.versions(self._read(*self._keys.versions()))
             slab = self._cached(query.scope, [key], dim, versions).get(key)
@@ -379,9 +382,7 @@ class PostgresStore(SQLStore):
             if n <= limit or not indexed:
                 if n <= limit:
                     log.debug("dense: exact scan of %d keys", n)
-                elif not self._cache.being_loaded(self._keys, query.scope, key):
-                    # the index would answer: built meanwhile, off this search's path (not for
-                    # a scope the cache is loading: its searches stay in the process after)
+                elif not loading:  # the index would answer: built meanwhile, off this path
                     self._builds.request(dim)
                     log.debug("dense: exact scan of more than %d keys (no HNSW index yet)", limit)
                 return [(row[0], float(row[1])) for row in rows if row[0] is not None]
