@@ -41,6 +41,20 @@ def _search(store: PostgresStore, probe: np.ndarray, k: int = 10) -> list[tuple[
     return store.pool(q(Scope("u1")), k, vector=probe, keys=["text"], terms=["item"])["text"]
 
 
+def _recorded(store: PostgresStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The statements `store` sends from now on."""
+    sent: list[str] = []
+    batch = PostgresStore._batch
+
+    def recorded(self: PostgresStore, statements: Any, **kw: Any) -> Any:
+        if self is store:
+            sent.extend(stmt for stmt, _ in statements)
+        return batch(self, statements, **kw)
+
+    monkeypatch.setattr(PostgresStore, "_batch", recorded)
+    return sent
+
+
 @pytest.mark.skipif(not ann.available(), reason="the `ann` extra (usearch) is not installed")
 def test_a_scope_above_the_ann_threshold_is_searched_in_process(
         db: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,19 +64,11 @@ def test_a_scope_above_the_ann_threshold_is_searched_in_process(
     store = PostgresStore(db, ann_threshold=100)
     tables = PostgresStore(db, cache_limit=0)  # searched in the database, exactly
     writer = PostgresStore(db)
-    sent: list[str] = []
-    batch = PostgresStore._batch
-
-    def recorded(self: PostgresStore, statements: Any, **kw: Any) -> Any:
-        if self is store:
-            sent.extend(stmt for stmt, _ in statements)
-        return batch(self, statements, **kw)
-
     try:
         vectors = _vectors(300, 11)
         records = [rec(f"item {i}") for i in range(300)]
         put(writer, *records, vectors=list(vectors))
-        monkeypatch.setattr(PostgresStore, "_batch", recorded)
+        sent = _recorded(store, monkeypatch)
         # the first search scans exactly while the index is built aside
         got, want = _search(store, vectors[0]), _search(tables, vectors[0])
         assert [m for m, _ in got] == [m for m, _ in want]
@@ -179,15 +185,7 @@ def test_a_large_scopes_first_search_does_not_wait_for_its_load(
         store.wait_for_saves()
         assert not store._cache.being_loaded(store._keys, Scope("u1"), "text")
         assert store._cache.get(store._keys, Scope("u1"), "text").n == 40  # type: ignore[union-attr]
-        sent: list[str] = []
-        batch = PostgresStore._batch
-
-        def recorded(self: PostgresStore, statements: Any, **kw: Any) -> Any:
-            if self is store:
-                sent.extend(stmt for stmt, _ in statements)
-            return batch(self, statements, **kw)
-
-        monkeypatch.setattr(PostgresStore, "_batch", recorded)
+        sent = _recorded(store, monkeypatch)
         got, want = _search(store, vectors[3]), _search(tables, vectors[3])
         assert [m for m, _ in got] == [m for m, _ in want]
         assert np.allclose([s for _, s in got], [s for _, s in want], atol=1e-5)

@@ -61,9 +61,11 @@ class PostgresStore(SQLStore):
     The dense cache: as the SQLite store does, a process keeps each searched scope's keys (up
     to `cache_limit` of them) in numpy matrices, with the ranking fields of its memories, and
     follows the database by version numbers that triggers keep (schema 0006). A search then
-    costs one round trip (the versions and the BM25 statement) plus one for the records it
-    returns, and scores vectors in process; a refresh after another writer's change loads only
-    what changed. Larger scopes are searched in the database (exact, then HNSW).
+    costs one round trip (the versions and the lexicon's new log entries, or the BM25 statement
+    for a small tenant) plus one for the records it returns, and scores vectors in process; a
+    refresh after another writer's change loads only what changed. A large scope's first load
+    runs on a helper thread; until it is held, and for scopes over `cache_limit`, the database
+    answers (exact, then HNSW).
     """
 
     dialect = sql.DIALECT
