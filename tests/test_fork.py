@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engram import Config, Memory
+from engram.model import Scope
 from engram.providers.embedders import Embedder, MiniLM, SentenceTransformerMiniLM
+from engram.store.index import refresh
 
 pytestmark = pytest.mark.slow
 
@@ -126,3 +129,44 @@ def test_forked_children_search_a_large_scope_with_their_own_helper(tmp_path: Pa
     _finish(children)
     assert len(mem.search("child 1 remembers", user_id="u", limit=30)) >= 10  # the parent too
     mem.close()
+
+
+def _child_loads(mem: Memory, n: int) -> None:
+    assert mem.search("big note 3", user_id="big")[0].memory.text == "big note 3"
+    store = mem._engine.store
+    store.wait_for_saves()  # type: ignore[attr-defined]
+    slab = store._cache.get(store._keys, Scope("big"), "text")  # type: ignore[attr-defined]
+    assert slab is not None and slab.n == 30  # loaded by the child's own thread
+
+
+def test_a_child_forked_while_the_parent_loads_a_large_scope_loads_it_itself(
+        tmp_path: Path, pg_server: Any, embedder: Embedder, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On PostgreSQL a large scope's first load runs on a helper thread (more keys than one
+    read takes: 10 here). A child forked while the parent's load runs has no such thread: it
+    loads the scope itself instead of leaving it to a load that never ends there."""
+    parent = os.getpid()
+    release = threading.Event()
+    rest = refresh.rest
+
+    def held(*args: Any, **kwargs: Any) -> None:  # the parent's load, held back
+        if os.getpid() == parent and threading.current_thread().name.startswith("engram-pg-load"):
+            assert release.wait(120)
+        rest(*args, **kwargs)
+
+    monkeypatch.setattr(refresh, "CHUNK", 10)
+    monkeypatch.setattr(refresh, "rest", held)
+    name = pg_server.create_database()
+    config = Config.from_env(database_url=pg_server.url(name), path=tmp_path / "unused.db")
+    with Memory(config=config, embedder=embedder) as writer:  # another process's writes
+        writer.add([f"big note {i}" for i in range(30)], user_id="big", infer=False)
+    mem = Memory(config=config, embedder=embedder)
+    try:
+        assert mem.search("big note 3", user_id="big")[0].memory.text == "big note 3"
+        store = mem._engine.store
+        assert store._cache.being_loaded(store._keys, Scope("big"), "text")  # type: ignore[attr-defined]
+        _finish(_fork(mem, _child_loads))
+    finally:
+        release.set()
+        mem.close()
+        with pg_server.admin() as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
