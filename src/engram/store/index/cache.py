@@ -313,8 +313,10 @@ class DenseCache:
                     if pruned:
                         self._refresh(k, scope, {name: key}, dim, versions, run, Follow.EXACT,
                                       {}, None, None)
-            except Exception:  # the database answers its searches; the next one tries again
-                log.warning("loading the %s keys of a large scope failed", name, exc_info=True)
+            except Exception as exc:  # the database answers its searches; the next one tries
+                # again (a store closed during the load ends it so too)
+                log.warning("loading the %s keys of a large scope stopped: %s", name, exc)
+                log.debug("the load's error", exc_info=True)
             finally:
                 with self.lock:
                     self.loading.discard(key)
