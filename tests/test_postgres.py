@@ -261,18 +261,21 @@ def test_config_tunes_the_store_and_opened_tenants_share_one_pool(
     for name, value in (("ENGRAM_PG_POOL_SIZE", "3"), ("ENGRAM_PG_POOL_WAIT", "0.5"),
                         ("ENGRAM_PG_STATEMENT_TIMEOUT", "9"), ("ENGRAM_PG_CONNECT_TIMEOUT", "3"),
                         ("ENGRAM_PG_EXACT_LIMIT", "7"), ("ENGRAM_PG_RECLAIM", "full"),
-                        ("ENGRAM_PG_CACHE_LIMIT", "500"), ("ENGRAM_ANN_THRESHOLD", "40")):
+                        ("ENGRAM_PG_CACHE_LIMIT", "500"), ("ENGRAM_ANN_THRESHOLD", "40"),
+                        ("ENGRAM_PG_LEXICON_THRESHOLD", "70"), ("ENGRAM_PG_LEXICON_ROWS", "1234")):
         monkeypatch.setenv(name, value)
     config = Config.from_env(database_url=db)
     assert (config.pg_pool_size, config.pg_pool_wait_s, config.pg_statement_timeout_s,
             config.pg_connect_timeout_s, config.pg_exact_limit, config.pg_reclaim,
-            config.pg_cache_limit) == (3, 0.5, 9.0, 3.0, 7, "full", 500)
+            config.pg_cache_limit, config.pg_lexicon_threshold, config.pg_lexicon_rows) == \
+        (3, 0.5, 9.0, 3.0, 7, "full", 500, 70, 1234)
     stores = Stores(config)
     a, b = stores.open("a"), stores.open("b")
     assert isinstance(a, PostgresStore) and isinstance(b, PostgresStore)
     assert a._pool is b._pool and a._pool._max == 3 and a._pool._wait_s == 0.5
     assert (a.tenant, b.tenant, a.statement_timeout_s, a.exact_limit, a.reclaim_mode,
             a.cache_limit) == ("a", "b", 9.0, 7, "full", 500)  # not SQLite's ANN threshold
+    assert (a._lexicons.threshold, a._lexicons.rows) == (70, 1234)
     put(a, rec("only a's"))
     assert [r.text for r in a.select(q())] == ["only a's"] and b.select(q()) == []
     a.close()
@@ -288,6 +291,10 @@ def test_config_tunes_the_store_and_opened_tenants_share_one_pool(
     monkeypatch.setenv("ENGRAM_PG_RECLAIM", "full")
     monkeypatch.setenv("ENGRAM_PG_CACHE_LIMIT", "-1")
     with pytest.raises(InvalidInput, match="pg_cache_limit"):
+        Config.from_env(database_url=db)
+    monkeypatch.setenv("ENGRAM_PG_CACHE_LIMIT", "500")
+    monkeypatch.setenv("ENGRAM_PG_LEXICON_ROWS", "-1")
+    with pytest.raises(InvalidInput, match="pg_lexicon_rows"):
         Config.from_env(database_url=db)
 
 

@@ -94,6 +94,7 @@ class Config:
     pg_cache_limit: int | None = None       # keys of a scope a process caches (None: cache_rows)
     pg_reclaim: str = "vacuum"              # after an erase: vacuum | full (VACUUM FULL) | none
     pg_lexicon_threshold: int = 100         # a tenant of more memories is ranked lexically in process
+    pg_lexicon_rows: int = 1_000_000        # documents the lexicons of all tenants hold, per process
 
     @staticmethod
     def _pg_env() -> tuple[tuple[str, str, Any], ...]:
@@ -105,7 +106,8 @@ class Config:
                 ("pg_exact_limit", "ENGRAM_PG_EXACT_LIMIT", int),
                 ("pg_cache_limit", "ENGRAM_PG_CACHE_LIMIT", int),
                 ("pg_reclaim", "ENGRAM_PG_RECLAIM", str),
-                ("pg_lexicon_threshold", "ENGRAM_PG_LEXICON_THRESHOLD", int))
+                ("pg_lexicon_threshold", "ENGRAM_PG_LEXICON_THRESHOLD", int),
+                ("pg_lexicon_rows", "ENGRAM_PG_LEXICON_ROWS", int))
 
     def _pg_validated(self) -> None:
         if self.pg_pool_size < 1:
@@ -120,6 +122,8 @@ class Config:
             raise InvalidInput("pg_cache_limit must be >= 0")
         if self.pg_lexicon_threshold < 0:
             raise InvalidInput("pg_lexicon_threshold must be >= 0")
+        if self.pg_lexicon_rows < 0:
+            raise InvalidInput("pg_lexicon_rows must be >= 0")
         if self.pg_reclaim not in ("vacuum", "full", "none"):
             raise InvalidInput("pg_reclaim must be one of vacuum, full, none")
     # -- end of PostgreSQL tuning -----------------------------------------------------------------

@@ -168,7 +168,8 @@ class PostgresStore(SQLStore):
                    exact_limit=config.pg_exact_limit, reclaim_mode=config.pg_reclaim,
                    cache_limit=config.pg_cache_limit, cache_rows=config.cache_rows,
                    ann_threshold=config.ann_threshold,
-                   lexicon_threshold=config.pg_lexicon_threshold)
+                   lexicon_threshold=config.pg_lexicon_threshold,
+                   lexicon_rows=config.pg_lexicon_rows)
 
     # -- connections and transactions --------------------------------------------------------
 
