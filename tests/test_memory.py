@@ -34,7 +34,8 @@ from engram import (
 from engram.model import Scope, utcnow
 from engram.pipeline.index import window_vector
 from engram.store import Query
-from engram.store.sqlite.store import AUTOCHECKPOINT_PAGES, COUNTS_CHECKPOINT_EVERY
+from engram.store.sqlite.sql import AUTOCHECKPOINT_PAGES
+from engram.store.sqlite.store import COUNTS_CHECKPOINT_EVERY
 
 
 def ids_of(mem: Memory, **kw: Any) -> list[str]:

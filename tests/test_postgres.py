@@ -25,7 +25,7 @@ from engram.errors import StoreBusy, StoreError, StoreUnavailable
 from engram.filters import parse_filters
 from engram.model import Job, JobStatus, Kind, Scope, Session, new_id
 from engram.store import Key, Lexical, SQLiteStore, Stores
-from engram.store.postgres import PostgresStore, ann, schema, sql
+from engram.store.postgres import PostgresStore, schema, sql
 from engram.store.records import MEMORY_COLUMNS, compile_query, memory_values
 
 
@@ -644,7 +644,7 @@ def test_the_index_is_built_by_one_process_beside_writers_and_replaces_a_failed_
         with pg_server.admin(db.split("/")[3].split("?")[0]) as admin:
             admin.execute(f"DROP INDEX {name}")
         with psycopg.connect(db) as holder:  # a build in progress elsewhere holds the lock
-            holder.execute("SELECT pg_advisory_lock(%s, %s)", (ann.INDEX_LOCK, dim))
+            holder.execute("SELECT pg_advisory_lock(%s, %s)", (sql.INDEX_LOCK, dim))
             assert store.build_index(dim) is False
             assert not _hnsw_indexes(db)
         # a writer in the middle of a transaction: the build waits for it, never the reverse

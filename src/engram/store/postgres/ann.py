@@ -25,7 +25,6 @@ from .pool import Connection, Pool
 
 log = logging.getLogger("engram.store")
 
-INDEX_LOCK = sql.INDEX_LOCK  # one builder of a dimension's index at a time
 RETRY_S = 60.0  # a build that did not succeed is not tried again sooner than this
 
 

@@ -46,10 +46,9 @@ COUNTS_EVERY_S = 0.2  # how often the background thread writes the access counts
 # this process's short writes (an add, a cache file named), not a long one.
 COUNTS_READ_WAIT_S = 0.05
 # A commit that finds the WAL past SQLite's autocheckpoint (1,000 pages, its default) copies
-# it into the database and fsyncs, ~20 ms here: access counts leave that to the background
+# it into the database and fsyncs, a cost per search: access counts leave that to the background
 # thread, once every this many counting commits.
 COUNTS_CHECKPOINT_EVERY = 64
-AUTOCHECKPOINT_PAGES = sql.AUTOCHECKPOINT_PAGES  # what a write's commit checkpoints past
 
 
 class SQLiteStore(SQLStore):
