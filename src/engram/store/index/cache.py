@@ -305,14 +305,11 @@ class DenseCache:
                     versions: tuple[int, int], run: Run, aside: Aside) -> None:
         """Load a new slab whole on `aside`'s thread, from `versions` (it catches up at the
         next search after); the searches of its keys go `elsewhere` until it is held."""
-        def load() -> None:
+        def load() -> None:  # a new slab, read whole: it has no tombstones to miss (pruned)
             try:
                 with self._turn([key]):
-                    _, pruned = self._refresh(k, scope, {name: key}, dim, versions, run,
-                                              Follow.EXACT, {}, None, None)
-                    if pruned:
-                        self._refresh(k, scope, {name: key}, dim, versions, run, Follow.EXACT,
-                                      {}, None, None)
+                    self._refresh(k, scope, {name: key}, dim, versions, run, Follow.EXACT, {},
+                                  None, None)
             except Exception as exc:  # the database answers its searches; the next one tries
                 # again (a store closed during the load ends it so too)
                 log.warning("loading the %s keys of a large scope stopped: %s", name, exc)
